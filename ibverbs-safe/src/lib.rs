@@ -1,0 +1,2 @@
+//! Safe, zero-copy wrappers over libibverbs, loaded at run time.
+#![deny(unsafe_code)]
