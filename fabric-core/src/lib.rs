@@ -40,7 +40,6 @@ pub mod transport;
 pub mod backend;
 #[cfg(not(fabric_loom))]
 pub mod bootstrap;
-#[cfg(not(fabric_loom))]
 pub mod sys;
 
 pub use error::{DecodeError, Error, Result};

@@ -342,6 +342,7 @@ impl Buf {
     }
 
     /// Raw pointer to the first byte (valid for `len` bytes while `self` lives).
+    #[cfg_attr(fabric_loom, allow(dead_code))]
     pub(crate) fn as_ptr(&self) -> *mut u8 {
         // SAFETY: offset <= region len (checked at construction), inside the mapping.
         unsafe { self.region.base().add(self.offset) }
