@@ -148,7 +148,12 @@ struct DriverInfo {
 
 fn probe() -> std::result::Result<DriverInfo, ProbeFailure> {
     let candidates = cudarc::get_lib_name_candidates("cuda");
-    let refs: Vec<&str> = candidates.iter().map(String::as_str).collect();
+    let mut refs: Vec<&str> = Vec::new();
+    for c in &candidates {
+        if !refs.contains(&c.as_str()) {
+            refs.push(c);
+        }
+    }
     if let Err(Error::DriverUnavailable { tried }) = probe_library(&refs) {
         return Err(ProbeFailure::Missing(tried));
     }

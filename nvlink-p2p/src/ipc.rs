@@ -25,8 +25,9 @@ use crate::stream::Stream;
 
 type Key = (usize, [u8; 64]);
 
-fn cache() -> &'static RefCache<Key, u64> {
-    static C: OnceLock<RefCache<Key, u64>> = OnceLock::new();
+/// Value: the mapped pointer and the mapping's real size.
+fn cache() -> &'static RefCache<Key, (u64, usize)> {
+    static C: OnceLock<RefCache<Key, (u64, usize)>> = OnceLock::new();
     C.get_or_init(RefCache::new)
 }
 
@@ -129,7 +130,7 @@ impl IpcMemHandle {
     /// more bytes than the mapped allocation has.
     pub fn open(&self, device: &Device) -> Result<IpcMapping> {
         let key = (device.context().cu_ctx() as usize, *self.raw());
-        let (ptr, hit) = cache().acquire(&key, || {
+        let ((ptr, real), hit) = cache().acquire(&key, || {
             device.bind()?;
             let h = sys::CUipcMemHandle {
                 reserved: self.raw().map(|b| b as std::ffi::c_char),
@@ -143,7 +144,15 @@ impl IpcMemHandle {
                     sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
                 )
             })?;
-            Ok::<_, Error>(ptr)
+            // Never trust the peer's size: remember how large the mapping really is.
+            match address_range(ptr) {
+                Ok((_, real)) => Ok::<_, Error>((ptr, real)),
+                Err(e) => {
+                    // SAFETY: opened just above, closed once.
+                    unsafe { sys::cuIpcCloseMemHandle(ptr) };
+                    Err(e)
+                }
+            }
         })?;
         let mapping = IpcMapping {
             device: device.clone(),
@@ -152,10 +161,8 @@ impl IpcMemHandle {
             len: self.len() as usize,
             cached: hit,
         };
-        // Never trust the peer's size: the mapping must really be that large.
-        device.bind()?;
-        let (_, real) = address_range(ptr)?;
         if (real as u64) < self.len() {
+            // Dropping `mapping` releases the reference.
             return Err(Error::InvalidArgument(format!(
                 "IPC handle claims {} bytes but the mapped allocation has {real}",
                 self.len()
@@ -209,7 +216,7 @@ impl DeviceMemory for IpcMapping {
 impl Drop for IpcMapping {
     fn drop(&mut self) {
         let device = &self.device;
-        cache().release(&self.key, |ptr| {
+        cache().release(&self.key, |(ptr, _)| {
             if device.bind().is_ok() {
                 // SAFETY: `ptr` came from cuIpcOpenMemHandle in this context and this was the
                 // last reference to it; it is closed exactly once.
