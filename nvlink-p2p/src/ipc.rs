@@ -144,15 +144,11 @@ impl IpcMemHandle {
                     sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
                 )
             })?;
-            // Never trust the peer's size: remember how large the mapping really is.
-            match address_range(ptr) {
-                Ok((_, real)) => Ok::<_, Error>((ptr, real)),
-                Err(e) => {
-                    // SAFETY: opened just above, closed once.
-                    unsafe { sys::cuIpcCloseMemHandle(ptr) };
-                    Err(e)
-                }
-            }
+            // Never trust the peer's size: remember how large the mapping really is. A driver
+            // that cannot tell leaves the size unchecked (an overlong copy would then fault on
+            // the GPU, it cannot touch host memory).
+            let real = address_range(ptr).map_or(usize::MAX, |(_, real)| real);
+            Ok::<_, Error>((ptr, real))
         })?;
         let mapping = IpcMapping {
             device: device.clone(),

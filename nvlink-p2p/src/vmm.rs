@@ -262,14 +262,27 @@ impl VmmAllocation {
         // SAFETY: plain bytes.
         let mut h: sys::CUmemFabricHandle = unsafe { std::mem::zeroed() };
         // SAFETY: for FABRIC the driver writes one CUmemFabricHandle through the pointer.
-        check("cuMemExportToShareableHandle", unsafe {
+        let r = unsafe {
             sys::cuMemExportToShareableHandle(
                 (&mut h as *mut sys::CUmemFabricHandle).cast::<c_void>(),
                 self.handle,
                 cu_type(ShareableHandleType::Fabric),
                 0,
             )
-        })?;
+        };
+        if matches!(
+            r,
+            sys::CUresult::CUDA_ERROR_NOT_PERMITTED | sys::CUresult::CUDA_ERROR_NOT_SUPPORTED
+        ) {
+            return Err(Error::Unsupported {
+                feature: "fabric handles",
+                reason: format!(
+                    "exporting a fabric handle returned {r:?}: no usable IMEX channel \
+                     (nvidia-imex daemon and /dev/nvidia-caps-imex-channels)"
+                ),
+            });
+        }
+        check("cuMemExportToShareableHandle", r)?;
         Ok(FabricHandle::from_parts(
             h.data,
             self.size as u64,
