@@ -12,7 +12,7 @@ rm -rf "$out"
 mkdir -p "$out"
 
 json=$(cargo test --release -p nvlink-p2p --no-run --message-format=json 2>/dev/null)
-cargo build --release -p nvlink-p2p --example ipc_bench
+cargo build --release -p nvlink-p2p --example ipc_bench --example gpu_topology
 python3 -c '
 import json, shutil, sys
 out = sys.argv[1]
@@ -31,7 +31,7 @@ for line in sys.stdin:
         shutil.copy(m["executable"], f"{out}/{name}")
         print("copied", name, "<-", m["executable"])
 ' "$out" <<<"$json"
-cp target/release/examples/ipc_bench "$out/ipc_bench"
+cp target/release/examples/ipc_bench target/release/examples/gpu_topology "$out/"
 strip --strip-debug "$out"/* 2>/dev/null || true
 ls -la "$out"
 du -sh "$out"

@@ -22,6 +22,9 @@ nvidia-smi --query-gpu=index,name,driver_version,memory.total,memory.used --form
 nvidia-smi topo -m 2>&1 | head -20 || true
 ls -l /dev/nvidia* 2>/dev/null | head -20 || true
 
+echo "== topology (gpu_topology)"
+[ -x "$bin/gpu_topology" ] && timeout 30 "$bin/gpu_topology" 2>&1 | tee "$out/gpu_topology.log"
+
 # On this machine a missing GPU is a failure, not a skip.
 export NVLINK_P2P_REQUIRE_GPU=1
 export RUST_BACKTRACE=1

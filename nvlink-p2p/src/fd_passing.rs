@@ -358,6 +358,33 @@ mod tests {
     }
 
     #[test]
+    fn largest_payload_crosses_in_pieces() {
+        let (a, b) = UnixStream::pair().unwrap();
+        // A small send buffer makes the kernel move the message in pieces; the receiver
+        // must reassemble it (and get the fd with the first piece).
+        let small: libc::c_int = 4096;
+        // SAFETY: valid option pointer and length.
+        let rc = unsafe {
+            libc::setsockopt(
+                a.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_SNDBUF,
+                (&small as *const libc::c_int).cast(),
+                mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(rc, 0);
+        let payload: Vec<u8> = (0..MAX_PAYLOAD).map(|i| (i * 7 % 251) as u8).collect();
+        let m = memfd("big", b"big");
+        let expected = payload.clone();
+        let reader = std::thread::spawn(move || recv_with_fds(&b, 1).unwrap());
+        send_with_fds(&a, &payload, &[m.as_fd()]).unwrap();
+        let (got, fds) = reader.join().unwrap();
+        assert!(got == expected);
+        assert_eq!(read_all(fds.into_iter().next().unwrap()), b"big");
+    }
+
+    #[test]
     fn send_limits() {
         let (a, _b) = UnixStream::pair().unwrap();
         let m = memfd("x", b"x");
