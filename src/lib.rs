@@ -1,3 +1,5 @@
 //! Root package of the workspace: it holds the `examples/` and the cross-crate `tests/`.
 //! The libraries are `ibverbs-safe`, `nvlink-p2p` and `fabric-core`.
 #![forbid(unsafe_code)]
+
+pub mod perf;

@@ -1,0 +1,206 @@
+#!/usr/bin/env bash
+# Hardening jobs run by .ci/run after the host tests and the Soft-RoCE suite:
+#   1. loom models      (--cfg fabric_loom / ibverbs_loom / nvlink_loom, LOOM_MAX_PREEMPTIONS)
+#   2. cargo-fuzz       (every target in fuzz/fuzz_targets/ for a fixed time; executions printed)
+#   3. Miri             (the pure-Rust unsafe code: rings, pools, buffer types, in-flight tracker)
+#   4. AddressSanitizer + LeakSanitizer over the cross-process shm/tcp and fd-passing tests
+# Every job is bounded by `timeout`; the whole script is meant to fit in ~25 minutes on 2 cores
+# including builds. All jobs run even if one fails; the script fails if any job failed.
+#
+# Knobs (environment):
+#   HARDENING_JOBS          which jobs to run (default "loom fuzz miri asan")
+#   LOOM_MAX_PREEMPTIONS    loom preemption bound (default 3)
+#   FUZZ_SECONDS            seconds per fuzz target (default 60)
+#   FUZZ_TOTAL_SECONDS      cap on all fuzzing together; per-target time shrinks to fit (default 600)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+export CARGO_TERM_COLOR=never CARGO_INCREMENTAL=0
+
+jobs=${HARDENING_JOBS:-loom fuzz miri asan}
+export LOOM_MAX_PREEMPTIONS=${LOOM_MAX_PREEMPTIONS:-3}
+fuzz_seconds=${FUZZ_SECONDS:-60}
+fuzz_total=${FUZZ_TOTAL_SECONDS:-600}
+nightly=nightly
+host_triple=x86_64-unknown-linux-gnu
+
+start=$(date +%s)
+elapsed() { echo $(($(date +%s) - start)); }
+say() { echo "[hardening $(elapsed)s] $*"; }
+failures=()
+summary=()
+logdir=$(mktemp -d "${TMPDIR:-/tmp}/hardening.XXXXXX")
+
+# run_step NAME SECONDS CMD... : run CMD under a timeout, record pass/fail, never abort the script.
+run_step() {
+  local name=$1 secs=$2
+  shift 2
+  local t0 rc=0
+  t0=$(date +%s)
+  say "step '$name' (limit ${secs}s): $*"
+  timeout --kill-after=30 "$secs" "$@" || rc=$?
+  local took=$(($(date +%s) - t0))
+  if ((rc == 124 || rc == 137)); then
+    failures+=("$name: timed out after ${secs}s")
+    summary+=("FAIL  $name (timeout ${secs}s)")
+  elif ((rc != 0)); then
+    failures+=("$name: exit status $rc")
+    summary+=("FAIL  $name (${took}s, exit $rc)")
+  else
+    summary+=("ok    $name (${took}s)")
+  fi
+  return 0
+}
+
+has_job() { [[ " $jobs " == *" $1 "* ]]; }
+
+# ---------------------------------------------------------------------------------------------
+# toolchain: nightly with miri + rust-src (idempotent), cargo-fuzz (no-op when installed)
+# ---------------------------------------------------------------------------------------------
+need_nightly=0
+for j in fuzz miri asan; do has_job "$j" && need_nightly=1; done
+if ((need_nightly)); then
+  if ! rustup toolchain list | grep -q "^$nightly"; then
+    say "installing the nightly toolchain"
+    rustup toolchain install "$nightly" --profile minimal ||
+      { echo "error: cannot install the Rust nightly toolchain (needed for cargo-fuzz, Miri and -Zsanitizer); check rustup's network access" >&2; exit 1; }
+  fi
+  rustup component add miri rust-src --toolchain "$nightly" >/dev/null 2>&1 ||
+    { echo "error: 'rustup component add miri rust-src --toolchain $nightly' failed; Miri and the sanitizer job need them. Try it by hand to see why (network, or this nightly lacks miri: pick a nightly that has it)" >&2; exit 1; }
+fi
+if has_job fuzz && ! cargo fuzz --version >/dev/null 2>&1; then
+  say "installing cargo-fuzz"
+  timeout 900 cargo install cargo-fuzz --locked ||
+    { echo "error: 'cargo install cargo-fuzz --locked' failed; the fuzz job needs it" >&2; exit 1; }
+fi
+
+# ---------------------------------------------------------------------------------------------
+# 1. loom: every `<crate>/tests/loom_*.rs` and every lib test whose path contains `loom`,
+#    built with the crate's own cfg in a separate target dir (RUSTFLAGS would otherwise
+#    invalidate the main build).
+# ---------------------------------------------------------------------------------------------
+if has_job loom; then
+  say "== loom (LOOM_MAX_PREEMPTIONS=$LOOM_MAX_PREEMPTIONS)"
+  loom_found=0
+  for pair in fabric-core:fabric_loom ibverbs-safe:ibverbs_loom nvlink-p2p:nvlink_loom; do
+    crate=${pair%%:*} cfg=${pair#*:}
+    args=()
+    for f in "$crate"/tests/loom_*.rs; do
+      [ -e "$f" ] || continue
+      args+=(--test "$(basename "$f" .rs)")
+    done
+    lib_loom=0
+    if grep -rqs "cfg($cfg)" "$crate/src" && grep -rqsE "fn loom_|mod loom" "$crate/src"; then
+      lib_loom=1
+    fi
+    if ((${#args[@]})); then
+      loom_found=1
+      RUSTFLAGS="--cfg $cfg" run_step "loom $crate ${args[*]}" 900 \
+        cargo test --release --target-dir target/loom -p "$crate" "${args[@]}"
+    fi
+    if ((lib_loom)); then
+      loom_found=1
+      RUSTFLAGS="--cfg $cfg" run_step "loom $crate --lib" 900 \
+        cargo test --release --target-dir target/loom -p "$crate" --lib -- loom
+    fi
+  done
+  ((loom_found)) || { say "loom: no loom models found (no */tests/loom_*.rs, no lib loom tests)"; summary+=("none  loom (no models yet)"); }
+fi
+
+# ---------------------------------------------------------------------------------------------
+# 2. cargo-fuzz: each target for a fixed time, seeded from fuzz/corpus/<target>/ (read only:
+#    new inputs go to a scratch dir so CI leaves the clone clean); a crash fails the job and
+#    its reproducer is kept under fuzz/artifacts/<target>/.
+# ---------------------------------------------------------------------------------------------
+if has_job fuzz; then
+  say "== fuzz"
+  mapfile -t targets < <(cargo +"$nightly" fuzz list --fuzz-dir fuzz 2>/dev/null || true)
+  if ((${#targets[@]} == 0)); then
+    say "fuzz: no fuzz targets in fuzz/fuzz_targets/ (nothing to run)"
+    summary+=("none  fuzz (no targets yet)")
+  else
+    per=$fuzz_seconds
+    ((fuzz_total / ${#targets[@]} < per)) && per=$((fuzz_total / ${#targets[@]}))
+    ((per < 5)) && per=5
+    say "fuzz: ${#targets[@]} targets x ${per}s: ${targets[*]}"
+    # One build for all targets (ASan + coverage, debug assertions on so overflows are found).
+    run_step "fuzz build" 1200 cargo +"$nightly" fuzz build --fuzz-dir fuzz -a
+    for t in "${targets[@]}"; do
+      work="$logdir/corpus-$t"
+      mkdir -p "$work" "fuzz/corpus/$t"
+      log="$logdir/fuzz-$t.log"
+      run_step "fuzz $t" $((per + 240)) bash -c '
+        cargo +"$1" fuzz run --fuzz-dir fuzz -a "$2" "$3" "fuzz/corpus/$2" -- \
+          -max_total_time="$4" -print_final_stats=1 -rss_limit_mb=2048 -timeout=10 >"$5" 2>&1
+        rc=$?; tail -n 40 "$5"; exit $rc' _ "$nightly" "$t" "$work" "$per" "$log"
+      execs=$(grep -Eo 'stat::number_of_executed_units: *[0-9]+' "$log" | grep -Eo '[0-9]+$' | tail -n1 || true)
+      [ -n "$execs" ] || execs=$(grep -Eo 'Done [0-9]+ runs' "$log" | grep -Eo '[0-9]+' | tail -n1 || true)
+      summary+=("      fuzz $t: ${execs:-?} executions in ${per}s")
+    done
+  fi
+fi
+
+# ---------------------------------------------------------------------------------------------
+# 3. Miri: tests of the pure-Rust unsafe code. Each entry: "<crate>|<cargo test selectors>|<filters>".
+#    Tests that make syscalls Miri cannot emulate (sockets, memfd, fork, dlopen) stay out of these
+#    filters or carry #[cfg_attr(miri, ignore)].
+# ---------------------------------------------------------------------------------------------
+miri_jobs=(
+)
+if has_job miri; then
+  say "== miri"
+  if ((${#miri_jobs[@]} == 0)); then
+    say "miri: no Miri test sets configured yet"
+    summary+=("none  miri (no test sets yet)")
+  else
+    run_step "miri setup" 600 cargo +"$nightly" miri setup
+    for entry in "${miri_jobs[@]}"; do
+      IFS='|' read -r crate sel filt <<<"$entry"
+      # shellcheck disable=SC2086
+      run_step "miri $crate $sel $filt" 900 cargo +"$nightly" miri test -p "$crate" $sel -- $filt
+    done
+  fi
+fi
+
+# ---------------------------------------------------------------------------------------------
+# 4. AddressSanitizer + LeakSanitizer: cross-process shm/tcp tests and fd passing. Reports from
+#    any process (also re-exec'd children) land in $logdir/asan.*; any report fails the job.
+#    Entries: "<crate>|<cargo test selectors>|<filters>".
+# ---------------------------------------------------------------------------------------------
+asan_jobs=(
+)
+if has_job asan; then
+  say "== asan"
+  if ((${#asan_jobs[@]} == 0)); then
+    say "asan: no sanitizer test sets configured yet"
+    summary+=("none  asan (no test sets yet)")
+  else
+    asan_logs="$logdir/asan-reports"
+    mkdir -p "$asan_logs"
+    for entry in "${asan_jobs[@]}"; do
+      IFS='|' read -r crate sel filt <<<"$entry"
+      # shellcheck disable=SC2086
+      RUSTFLAGS="-Zsanitizer=address -Cforce-frame-pointers=yes" RUSTDOCFLAGS="-Zsanitizer=address" \
+        ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:log_path=$asan_logs/asan" \
+        LSAN_OPTIONS="" \
+        run_step "asan $crate $sel $filt" 1200 \
+        cargo +"$nightly" test --target "$host_triple" --target-dir target/asan -p "$crate" $sel -- $filt
+    done
+    if compgen -G "$asan_logs/asan*" >/dev/null; then
+      say "asan: sanitizer reports:"
+      cat "$asan_logs"/asan*
+      failures+=("asan: sanitizer reported problems (above)")
+      summary+=("FAIL  asan reports")
+    fi
+  fi
+fi
+
+echo
+say "summary (total wall time $(elapsed)s):"
+printf '  %s\n' "${summary[@]}"
+if ((${#failures[@]})); then
+  echo "hardening FAILED:" >&2
+  printf '  %s\n' "${failures[@]}" >&2
+  exit 1
+fi
+say "all hardening jobs passed"

@@ -1,0 +1,283 @@
+//! Backends and how they plug in.
+//!
+//! A backend is a thin "hal" (`Hal`) that only moves bytes; validation and in-flight
+//! bookkeeping live once in [`Tracker`], and `Endpoint` joins the two into a
+//! [`Transport`]. Each backend file exports one [`BackendEntry`]; adding a backend is one
+//! line in [`BACKENDS`].
+
+use std::fmt;
+use std::os::fd::BorrowedFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use crate::region::{Access, Buf, Region};
+use crate::tracker::{OpDesc, Tracker};
+use crate::transport::{
+    AtomicOp, Capabilities, Completion, PostResult, RemoteKey, Transport, TransportKind,
+};
+
+pub mod shm;
+// pub mod tcp;
+
+/// Every backend this build knows, in automatic-selection preference order.
+/// (A new backend adds its `ENTRY` here.)
+pub static BACKENDS: &[&BackendEntry] = &[&shm::ENTRY];
+
+/// How a backend is found, probed and started.
+pub struct BackendEntry {
+    /// Which kind.
+    pub kind: TransportKind,
+    /// Whether the backend can run on this machine (`Err` says why not).
+    pub probe: fn() -> Result<()>,
+    /// Starts a listener.
+    pub listen: fn(&Options) -> Result<Box<dyn Listener>>,
+    /// Starts connecting to a listener's address.
+    pub connect: fn(&str, &Options) -> Result<Box<dyn Connector>>,
+}
+
+impl fmt::Debug for BackendEntry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BackendEntry")
+            .field("kind", &self.kind)
+            .finish()
+    }
+}
+
+/// The entry for `kind`.
+///
+/// # Errors
+/// [`Error::Unavailable`] when this build has no such backend.
+pub fn entry(kind: TransportKind) -> Result<&'static BackendEntry> {
+    BACKENDS
+        .iter()
+        .copied()
+        .find(|e| e.kind == kind)
+        .ok_or_else(|| Error::Unavailable {
+            transport: kind,
+            reason: "not built into this version of fabric-core".into(),
+        })
+}
+
+/// Connection options (defaults suit the examples).
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// In-flight operations per connection.
+    pub max_in_flight: usize,
+    /// Bytes of each shm ring (power of two).
+    pub ring_bytes: usize,
+    /// Largest piece one shm record carries.
+    pub chunk_bytes: usize,
+    /// Largest message.
+    pub max_message: usize,
+    /// Address a TCP listener binds (`127.0.0.1:0` unless told otherwise).
+    pub tcp_bind: String,
+    /// Handshake deadline.
+    pub handshake_timeout: Duration,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            max_in_flight: 256,
+            ring_bytes: 2 << 20,
+            chunk_bytes: 64 << 10,
+            max_message: 1 << 30,
+            tcp_bind: "127.0.0.1:0".into(),
+            handshake_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// A listener of one backend. `accept` never blocks.
+pub trait Listener: Send + fmt::Debug {
+    /// The backend.
+    fn kind(&self) -> TransportKind;
+    /// The address a peer passes to [`connect`] (e.g. `shm:@name`, `tcp:10.0.0.1:4000`).
+    fn address(&self) -> &str;
+    /// A connection whose handshake finished, or `None` ("not yet; call again").
+    /// A peer that fails its handshake is dropped; the listener keeps serving others.
+    ///
+    /// # Errors
+    /// Only when the listening socket itself fails.
+    fn accept(&mut self) -> Result<Option<Box<dyn Transport>>>;
+}
+
+/// A connection being set up. `poll_connect` never blocks.
+pub trait Connector: Send + fmt::Debug {
+    /// The finished connection, or `None` ("not yet; call again").
+    ///
+    /// # Errors
+    /// When the handshake fails or the listener refused us.
+    fn poll_connect(&mut self) -> Result<Option<Box<dyn Transport>>>;
+}
+
+/// Starts listening on `kind`.
+///
+/// # Errors
+/// [`Error::Unavailable`] for an unknown backend; the backend's own setup errors.
+pub fn listen(kind: TransportKind, opts: &Options) -> Result<Box<dyn Listener>> {
+    (entry(kind)?.listen)(opts)
+}
+
+/// Starts connecting to `address` (which names its backend: `shm:...`, `tcp:...`).
+///
+/// # Errors
+/// [`Error::InvalidArgument`] for an address without a known backend prefix.
+pub fn connect(address: &str, opts: &Options) -> Result<Box<dyn Connector>> {
+    let (kind, rest) = address.split_once(':').ok_or_else(|| {
+        Error::InvalidArgument(format!("address {address:?} lacks a transport prefix"))
+    })?;
+    let kind: TransportKind = kind.parse()?;
+    (entry(kind)?.connect)(rest, opts)
+}
+
+fn backoff(spins: &mut u32) {
+    *spins += 1;
+    if *spins < 100 {
+        std::hint::spin_loop();
+    } else {
+        std::thread::sleep(Duration::from_micros(if *spins < 1000 { 20 } else { 500 }));
+    }
+}
+
+/// Calls `accept` until a connection arrives or `timeout` passes.
+///
+/// # Errors
+/// [`Error::Timeout`], or the listener's error.
+pub fn accept_timeout(l: &mut dyn Listener, timeout: Duration) -> Result<Box<dyn Transport>> {
+    let end = Instant::now() + timeout;
+    let mut spins = 0;
+    loop {
+        if let Some(t) = l.accept()? {
+            return Ok(t);
+        }
+        if Instant::now() > end {
+            return Err(Error::Timeout("accept"));
+        }
+        backoff(&mut spins);
+    }
+}
+
+/// Calls `poll_connect` until connected or `timeout` passes.
+///
+/// # Errors
+/// [`Error::Timeout`], or the connector's error.
+pub fn connect_timeout(c: &mut dyn Connector, timeout: Duration) -> Result<Box<dyn Transport>> {
+    let end = Instant::now() + timeout;
+    let mut spins = 0;
+    loop {
+        if let Some(t) = c.poll_connect()? {
+            return Ok(t);
+        }
+        if Instant::now() > end {
+            return Err(Error::Timeout("connect"));
+        }
+        backoff(&mut spins);
+    }
+}
+
+static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
+
+/// A fresh process-unique connection id (regions and buffers are tied to it).
+pub(crate) fn next_conn_id() -> u64 {
+    NEXT_CONN.fetch_add(1, Ordering::Relaxed)
+}
+
+/// What a backend implements: moving bytes. Everything it is handed was validated by the
+/// [`Tracker`].
+pub(crate) trait Hal: Send + fmt::Debug {
+    fn kind(&self) -> TransportKind;
+    /// Registers memory and records it with `t.add_region`.
+    fn register(&mut self, t: &mut Tracker, len: usize, access: Access) -> Result<Region>;
+    /// Moves queued operations and incoming data; reports completions to `t`.
+    fn progress(&mut self, t: &mut Tracker) -> Result<()>;
+    fn wait_fd(&self) -> BorrowedFd<'_>;
+    fn arm(&mut self, t: &Tracker) -> Result<bool>;
+}
+
+/// A connection: the shared [`Tracker`] plus one backend's [`Hal`].
+#[derive(Debug)]
+pub(crate) struct Endpoint<H: Hal> {
+    t: Tracker,
+    h: H,
+}
+
+impl<H: Hal> Endpoint<H> {
+    pub(crate) fn new(t: Tracker, h: H) -> Self {
+        Endpoint { t, h }
+    }
+
+    fn post(&mut self, desc: OpDesc, buf: Buf, wr_id: u64) -> PostResult {
+        self.t.post(desc, buf, wr_id)?;
+        // Start it now (latency); errors of the machinery become error completions.
+        if let Err(e) = self.h.progress(&mut self.t) {
+            self.t.fail_all(crate::Status::ProtocolError, e.to_string());
+        }
+        Ok(())
+    }
+}
+
+impl<H: Hal> Transport for Endpoint<H> {
+    fn kind(&self) -> TransportKind {
+        self.h.kind()
+    }
+    fn capabilities(&self) -> Capabilities {
+        *self.t.caps()
+    }
+    fn register(&mut self, len: usize, access: Access) -> Result<Region> {
+        if let Some(why) = self.t.failure() {
+            return Err(Error::Disconnected(why.to_string()));
+        }
+        if access.is_remote() && !self.t.caps().one_sided {
+            return Err(Error::Unsupported {
+                transport: self.h.kind(),
+                what: "remote access",
+            });
+        }
+        self.h
+            .register(&mut self.t, len, access | Access::LOCAL_WRITE)
+    }
+    fn post_send(&mut self, buf: Buf, wr_id: u64) -> PostResult {
+        self.post(OpDesc::Send, buf, wr_id)
+    }
+    fn post_recv(&mut self, buf: Buf, wr_id: u64) -> PostResult {
+        self.post(OpDesc::Recv, buf, wr_id)
+    }
+    fn post_write(&mut self, buf: Buf, key: &RemoteKey, off: u64, wr_id: u64) -> PostResult {
+        self.post(OpDesc::Write { key: *key, off }, buf, wr_id)
+    }
+    fn post_read(&mut self, buf: Buf, key: &RemoteKey, off: u64, wr_id: u64) -> PostResult {
+        self.post(OpDesc::Read { key: *key, off }, buf, wr_id)
+    }
+    fn post_atomic(
+        &mut self,
+        buf: Buf,
+        key: &RemoteKey,
+        off: u64,
+        op: AtomicOp,
+        wr_id: u64,
+    ) -> PostResult {
+        self.post(OpDesc::Atomic { key: *key, off, op }, buf, wr_id)
+    }
+    fn poll(&mut self, out: &mut [Completion]) -> Result<usize> {
+        if self.t.failure().is_none() {
+            if let Err(e) = self.h.progress(&mut self.t) {
+                self.t.fail_all(crate::Status::ProtocolError, e.to_string());
+            }
+        }
+        Ok(self.t.take(out))
+    }
+    fn in_flight(&self) -> usize {
+        self.t.in_flight()
+    }
+    fn wait_fd(&self) -> BorrowedFd<'_> {
+        self.h.wait_fd()
+    }
+    fn arm(&mut self) -> Result<bool> {
+        if self.t.ready_len() > 0 || self.t.failure().is_some() {
+            return Ok(false);
+        }
+        self.h.arm(&self.t)
+    }
+}

@@ -1,0 +1,899 @@
+//! `shm`: processes on one host, through shared memory.
+//!
+//! * Setup: the listener is a Unix socket in the abstract namespace (no file system path);
+//!   on accept it checks the peer's uid (`SO_PEERCRED`), creates the channel — one
+//!   size-sealed `memfd` holding two SPSC [`ring`]s — and passes it, with an
+//!   `eventfd` to wake it, over `SCM_RIGHTS`; the connector checks the seals and size,
+//!   maps it and answers with its own `eventfd`. Nothing is ever reachable by a path.
+//! * Two-sided: a message is copied into the outbound ring in records of at most
+//!   `chunk_bytes` (first record carries the total length) and copied out into the oldest
+//!   posted receive. No receive posted = the message waits in the ring (backpressure).
+//! * One-sided: regions are `memfd` shared mappings; registering one with remote access
+//!   passes its fd to the peer (announced in order through the ring), so write / read /
+//!   atomics are plain copies and `AtomicU64` operations on the peer's mapping, checked
+//!   against the key, the granted access and the real mapping length.
+//! * Sleeping: each side has a "sleeping" flag in the channel; a side that armed sleeps on
+//!   an epoll fd (its eventfd + the socket); the other side signals the eventfd after
+//!   publishing records or freeing space, only when the flag is set.
+//! * Peer death: the Unix socket hangs up when the peer dies; it is checked every
+//!   [`CHECK_EVERY`] idle polls (and at once after a wake-up); then everything in flight
+//!   completes with [`Status::PeerGone`].
+#![allow(unsafe_code)]
+
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use memmap2::MmapRaw;
+
+use super::{next_conn_id, BackendEntry, Connector, Endpoint, Hal, Listener, Options};
+use crate::error::{Error, Result};
+use crate::region::{check_range, Access, Region};
+use crate::ring::{self, Consumer, Producer, RingHeader};
+use crate::sys;
+use crate::tracker::{OpDesc, Token, Tracker};
+use crate::transport::{
+    AtomicOp, Capabilities, MemoryKinds, MessageOrdering, Status, Transport, TransportKind,
+};
+
+/// The registry entry.
+pub static ENTRY: BackendEntry = BackendEntry {
+    kind: TransportKind::Shm,
+    probe,
+    listen: |o| Ok(Box::new(ShmListener::bind(o)?)),
+    connect: |a, o| Ok(Box::new(ShmConnector::connect(a, o)?)),
+};
+
+/// Idle polls between two checks of the peer's socket.
+pub const CHECK_EVERY: u32 = 1024;
+
+const MAGIC: u64 = 0x4642_5348_4d43_4831; // "FBSHMCH1"
+const VERSION: u32 = 1;
+const HELLO_LEN: usize = 24;
+const ANN_MAGIC: u32 = 0x4e4e_4146; // "FANN"
+const ANN_LEN: usize = 32;
+const MAX_REMOTE_REGIONS: usize = 65_536;
+const CHAN_HDR: usize = 4096;
+const OFF_SLEEP: [usize; 2] = [1024, 1152];
+const MAX_RING: usize = 1 << 30;
+
+const K_FIRST: u8 = 1;
+const K_CONT: u8 = 2;
+const K_ANNOUNCE: u8 = 3;
+
+fn probe() -> Result<()> {
+    let fd = sys::memfd("fabric-probe", 4096).map_err(|e| Error::Unavailable {
+        transport: TransportKind::Shm,
+        reason: format!("memfd_create does not work here ({e}); Linux >= 3.17 is needed"),
+    })?;
+    sys::seal_size(fd.as_fd()).map_err(|e| Error::Unavailable {
+        transport: TransportKind::Shm,
+        reason: format!("memfd seals unsupported: {e}"),
+    })
+}
+
+fn would_block(e: &io::Error) -> bool {
+    e.kind() == io::ErrorKind::WouldBlock
+}
+
+/// A Unix-socket listener in the abstract namespace.
+#[derive(Debug)]
+pub struct ShmListener {
+    sock: UnixListener,
+    address: String,
+    opts: Options,
+    pending: Vec<Handshake>,
+    uid: u32,
+}
+
+#[derive(Debug)]
+struct Handshake {
+    stream: UnixStream,
+    chan: Arc<Channel>,
+    efd: OwnedFd,
+    deadline: Instant,
+}
+
+/// The channel mapping: two ring headers, two sleeping flags, two data areas.
+#[derive(Debug)]
+struct Channel {
+    map: MmapRaw,
+    _fd: OwnedFd,
+    cap: usize,
+}
+
+impl Channel {
+    fn size(cap: usize) -> usize {
+        CHAN_HDR + 2 * cap
+    }
+    fn create(cap: usize) -> Result<Self> {
+        let fd = sys::memfd("fabric-shm-channel", Self::size(cap))?;
+        sys::seal_size(fd.as_fd())?;
+        let map = sys::map_shared(fd.as_fd(), Self::size(cap))?;
+        Ok(Channel { map, _fd: fd, cap })
+    }
+    fn sleeping(&self, side: usize) -> &AtomicU32 {
+        // SAFETY: OFF_SLEEP[side] + 4 <= CHAN_HDR <= mapping length; aligned; the mapping
+        // lives as long as `self`; the word is only accessed atomically.
+        unsafe { AtomicU32::from_ptr(self.map.as_mut_ptr().add(OFF_SLEEP[side]) as *mut u32) }
+    }
+    /// (producer of ring `side -> other`, consumer of ring `other -> side`).
+    fn ends(self: &Arc<Self>, side: usize) -> (Producer, Consumer) {
+        let base = self.map.as_mut_ptr();
+        let ring_ptrs = |r: usize| {
+            // SAFETY: ring header r at r * 256 (< 1024), data area r at CHAN_HDR + r * cap,
+            // both inside the mapping (size CHAN_HDR + 2 * cap).
+            unsafe {
+                (
+                    base.add(r * 256) as *const RingHeader,
+                    base.add(CHAN_HDR + r * self.cap),
+                )
+            }
+        };
+        let keep: Arc<dyn Send + Sync> = self.clone();
+        let (th, td) = ring_ptrs(side);
+        let (rh, rd) = ring_ptrs(1 - side);
+        // SAFETY: headers are 256-byte aligned inside a page-aligned shared mapping whose
+        // bytes start zeroed (a valid empty header); `cap` is a power of two >= 4 granules;
+        // side 0 produces on ring 0 and consumes ring 1, side 1 the reverse, so each ring
+        // has exactly one producer and one consumer.
+        let (p, _) = unsafe { ring::from_raw(th, td, self.cap, keep.clone()) };
+        // SAFETY: as above.
+        let (_, c) = unsafe { ring::from_raw(rh, rd, self.cap, keep) };
+        (p, c)
+    }
+}
+
+fn check_peer(stream: &UnixStream) -> Result<()> {
+    let peer = sys::peer_uid(stream.as_fd())?;
+    let ours = sys::uid();
+    if peer != ours {
+        return Err(Error::PeerUid { peer, ours });
+    }
+    Ok(())
+}
+
+fn hello_bytes(cap: usize) -> [u8; HELLO_LEN] {
+    let mut b = [0u8; HELLO_LEN];
+    b[0..8].copy_from_slice(&MAGIC.to_le_bytes());
+    b[8..12].copy_from_slice(&VERSION.to_le_bytes());
+    b[16..24].copy_from_slice(&(cap as u64).to_le_bytes());
+    b
+}
+
+/// Decodes the channel hello (and the connector's answer): magic, version, ring bytes.
+///
+/// # Errors
+/// A [`DecodeError`](crate::DecodeError) for a wrong length, magic, version or ring size.
+pub fn decode_hello(b: &[u8]) -> std::result::Result<usize, crate::DecodeError> {
+    use crate::DecodeError as D;
+    if b.len() != HELLO_LEN {
+        return Err(D::Truncated {
+            what: "shm hello",
+            need: HELLO_LEN,
+            got: b.len(),
+        });
+    }
+    let magic = u64::from_le_bytes(b[0..8].try_into().unwrap_or_default());
+    if magic != MAGIC {
+        return Err(D::BadMagic {
+            what: "shm hello",
+            found: magic,
+        });
+    }
+    let v = u32::from_le_bytes(b[8..12].try_into().unwrap_or_default());
+    if v != VERSION {
+        return Err(D::Version {
+            what: "shm hello",
+            found: v,
+            expected: VERSION,
+        });
+    }
+    let cap = u64::from_le_bytes(b[16..24].try_into().unwrap_or_default());
+    if cap != 0 && (!cap.is_power_of_two() || cap < 4096 || cap > MAX_RING as u64) {
+        return Err(D::Invalid {
+            what: "shm ring size",
+            value: cap,
+        });
+    }
+    Ok(cap as usize)
+}
+
+impl ShmListener {
+    /// Binds a fresh abstract-namespace address.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the socket cannot be bound.
+    pub fn bind(opts: &Options) -> Result<Self> {
+        let mut rnd = [0u8; 8];
+        sys::random_bytes(&mut rnd)?;
+        let name = format!(
+            "fabric-shm-{}-{:016x}",
+            std::process::id(),
+            u64::from_le_bytes(rnd)
+        );
+        let addr = SocketAddr::from_abstract_name(name.as_bytes())
+            .map_err(|e| Error::io("unix socket address", e))?;
+        let sock = UnixListener::bind_addr(&addr).map_err(|e| Error::io("bind(unix)", e))?;
+        sock.set_nonblocking(true)
+            .map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
+        let mut opts = opts.clone();
+        opts.ring_bytes = opts.ring_bytes.clamp(4096, MAX_RING).next_power_of_two();
+        Ok(ShmListener {
+            sock,
+            address: format!("shm:@{name}"),
+            opts,
+            pending: Vec::new(),
+            uid: sys::uid(),
+        })
+    }
+
+    fn start(&mut self, stream: UnixStream) -> Result<()> {
+        stream
+            .set_nonblocking(true)
+            .map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
+        check_peer(&stream)?;
+        let chan = Arc::new(Channel::create(self.opts.ring_bytes)?);
+        let efd = sys::eventfd()?;
+        let hello = hello_bytes(chan.cap);
+        if !sys::send_with_fds(stream.as_fd(), &hello, &[chan._fd.as_fd(), efd.as_fd()])? {
+            return Err(Error::Timeout("shm hello (socket full)"));
+        }
+        self.pending.push(Handshake {
+            stream,
+            chan,
+            efd,
+            deadline: Instant::now() + self.opts.handshake_timeout,
+        });
+        Ok(())
+    }
+}
+
+impl Listener for ShmListener {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Shm
+    }
+    fn address(&self) -> &str {
+        &self.address
+    }
+    fn accept(&mut self) -> Result<Option<Box<dyn Transport>>> {
+        loop {
+            match self.sock.accept() {
+                Ok((s, _)) => {
+                    // A stranger (other uid) or a failing setup is dropped; keep serving.
+                    let _ = self.start(s);
+                }
+                Err(e) if would_block(&e) => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(Error::io("accept(unix)", e)),
+            }
+        }
+        let _ = self.uid;
+        let mut i = 0;
+        while i < self.pending.len() {
+            let h = &self.pending[i];
+            let mut b = [0u8; HELLO_LEN];
+            match sys::recv_with_fds(h.stream.as_fd(), &mut b) {
+                Ok(None) if Instant::now() < h.deadline => {
+                    i += 1;
+                    continue;
+                }
+                Ok(Some((n, mut fds)))
+                    if n == HELLO_LEN && fds.len() == 1 && decode_hello(&b).is_ok() =>
+                {
+                    let h = self.pending.swap_remove(i);
+                    let peer_efd = fds.pop().expect("one fd");
+                    let t = finish(0, h.chan, h.stream, h.efd, peer_efd, &self.opts)?;
+                    return Ok(Some(t));
+                }
+                _ => {
+                    // Timed out, hung up or spoke garbage: drop this peer only.
+                    self.pending.swap_remove(i);
+                }
+            }
+        }
+        Ok(None)
+    }
+}
+
+/// Connects to a [`ShmListener`] (address without the `shm:` prefix, e.g. `@name`).
+#[derive(Debug)]
+pub struct ShmConnector {
+    stream: UnixStream,
+    opts: Options,
+    deadline: Instant,
+}
+
+impl ShmConnector {
+    /// Starts connecting.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a malformed address; [`Error::Io`] when the listener
+    /// is not there; [`Error::PeerUid`] when it runs as another user.
+    pub fn connect(address: &str, opts: &Options) -> Result<Self> {
+        let name = address.strip_prefix('@').ok_or_else(|| {
+            Error::InvalidArgument(format!("shm address {address:?} must start with '@'"))
+        })?;
+        let addr = SocketAddr::from_abstract_name(name.as_bytes())
+            .map_err(|e| Error::io("unix socket address", e))?;
+        let stream = UnixStream::connect_addr(&addr).map_err(|e| Error::io("connect(unix)", e))?;
+        stream
+            .set_nonblocking(true)
+            .map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
+        check_peer(&stream)?;
+        Ok(ShmConnector {
+            stream,
+            opts: opts.clone(),
+            deadline: Instant::now() + opts.handshake_timeout,
+        })
+    }
+}
+
+impl Connector for ShmConnector {
+    fn poll_connect(&mut self) -> Result<Option<Box<dyn Transport>>> {
+        let mut b = [0u8; HELLO_LEN];
+        let Some((n, mut fds)) = sys::recv_with_fds(self.stream.as_fd(), &mut b)? else {
+            if Instant::now() > self.deadline {
+                return Err(Error::Timeout("shm handshake"));
+            }
+            return Ok(None);
+        };
+        if n == 0 {
+            return Err(Error::Disconnected(
+                "listener closed during the handshake".into(),
+            ));
+        }
+        if n != HELLO_LEN || fds.len() != 2 {
+            return Err(Error::Protocol(format!(
+                "shm hello of {n} bytes with {} descriptors",
+                fds.len()
+            )));
+        }
+        let cap = decode_hello(&b)?;
+        if cap == 0 {
+            return Err(Error::Protocol("shm hello without a ring size".into()));
+        }
+        let peer_efd = fds.pop().expect("two fds");
+        let chan_fd = fds.pop().expect("two fds");
+        let size = sys::check_sealed_size(chan_fd.as_fd())?;
+        if size != Channel::size(cap) as u64 {
+            return Err(Error::Protocol(format!(
+                "shm channel of {size} bytes, expected {}",
+                Channel::size(cap)
+            )));
+        }
+        let map = sys::map_shared(chan_fd.as_fd(), Channel::size(cap))?;
+        let chan = Arc::new(Channel {
+            map,
+            _fd: chan_fd,
+            cap,
+        });
+        let efd = sys::eventfd()?;
+        if !sys::send_with_fds(self.stream.as_fd(), &hello_bytes(0), &[efd.as_fd()])? {
+            return Err(Error::Timeout("shm answer (socket full)"));
+        }
+        let stream = self.stream.try_clone().map_err(|e| Error::io("dup", e))?;
+        Ok(Some(finish(1, chan, stream, efd, peer_efd, &self.opts)?))
+    }
+}
+
+fn finish(
+    side: usize,
+    chan: Arc<Channel>,
+    sock: UnixStream,
+    efd: OwnedFd,
+    peer_efd: OwnedFd,
+    opts: &Options,
+) -> Result<Box<dyn Transport>> {
+    let (tx, rx) = chan.ends(side);
+    let chunk = opts
+        .chunk_bytes
+        .clamp(64, tx.max_payload())
+        .min(chan.cap / 4);
+    let epoll = sys::epoll_of(&[efd.as_fd(), sock.as_fd()])?;
+    let conn = next_conn_id();
+    let caps = Capabilities {
+        ordering: MessageOrdering::InOrder,
+        one_sided: true,
+        atomics: true,
+        max_message: opts.max_message.min(u32::MAX as usize),
+        max_in_flight: opts.max_in_flight,
+        inline_size: chunk,
+        memory_kinds: MemoryKinds::HOST,
+    };
+    let hal = ShmHal {
+        side,
+        conn,
+        chan,
+        tx,
+        rx,
+        chunk,
+        sock,
+        efd,
+        peer_efd,
+        epoll,
+        remote: Vec::new(),
+        rx_state: RxState::Idle,
+        idle: 0,
+        armed: false,
+    };
+    Ok(Box::new(Endpoint::new(
+        Tracker::new(conn, TransportKind::Shm, caps),
+        hal,
+    )))
+}
+
+#[derive(Debug)]
+enum RxState {
+    Idle,
+    Receiving {
+        token: Token,
+        total: usize,
+        got: usize,
+    },
+    Discarding {
+        left: usize,
+    },
+}
+
+#[derive(Debug)]
+struct RemoteRegion {
+    key: u64,
+    access: Access,
+    len: usize,
+    map: MmapRaw,
+    _fd: OwnedFd,
+}
+
+/// The shm backend's byte mover.
+#[derive(Debug)]
+struct ShmHal {
+    side: usize,
+    conn: u64,
+    chan: Arc<Channel>,
+    tx: Producer,
+    rx: Consumer,
+    chunk: usize,
+    sock: UnixStream,
+    efd: OwnedFd,
+    peer_efd: OwnedFd,
+    epoll: OwnedFd,
+    remote: Vec<Option<RemoteRegion>>,
+    rx_state: RxState,
+    idle: u32,
+    armed: bool,
+}
+
+enum Step {
+    Done,
+    Blocked,
+}
+
+impl ShmHal {
+    fn notify_peer(&self) {
+        fence(Ordering::SeqCst);
+        if self.chan.sleeping(1 - self.side).load(Ordering::Relaxed) != 0 {
+            sys::eventfd_signal(self.peer_efd.as_fd());
+        }
+    }
+
+    /// Runs the front submission as far as possible.
+    fn submit_one(&mut self, t: &mut Tracker, token: Token) -> Result<Step> {
+        let p = t.get(token).expect("queued token is live");
+        let desc = p.desc;
+        match desc {
+            OpDesc::Send => {
+                let total = p.buf.len();
+                let mut done = p.progress;
+                let src = p.buf.as_ptr();
+                loop {
+                    let n = (total - done).min(self.chunk);
+                    let (kind, aux) = if done == 0 {
+                        (K_FIRST, total as u64)
+                    } else {
+                        (K_CONT, 0)
+                    };
+                    let Some(dst) = self.tx.reserve(kind, aux, n) else {
+                        t.get_mut(token).expect("live").progress = done;
+                        return Ok(Step::Blocked);
+                    };
+                    // SAFETY: `dst` has `n` writable bytes owned by us until commit; `src` is
+                    // the buffer's mapping (len `total`), done + n <= total.
+                    unsafe { std::ptr::copy_nonoverlapping(src.add(done), dst, n) };
+                    self.tx.commit();
+                    done += n;
+                    if done == total {
+                        t.submit_pop();
+                        t.complete(token, Status::Success, total, 0);
+                        return Ok(Step::Done);
+                    }
+                }
+            }
+            OpDesc::Write { key, off } | OpDesc::Read { key, off } => {
+                let write = matches!(desc, OpDesc::Write { .. });
+                let need = if write {
+                    Access::REMOTE_WRITE
+                } else {
+                    Access::REMOTE_READ
+                };
+                let len = p.buf.len();
+                let local = p.buf.as_ptr();
+                let status = match self.remote_ptr(&key, off, len as u64, need)? {
+                    Some(rp) => {
+                        // SAFETY: `rp` has `len` bytes inside the peer's mapping (checked
+                        // against its real length); `local` has `len` bytes of our region.
+                        // Distinct mappings, so no overlap within this process's view.
+                        unsafe {
+                            if write {
+                                std::ptr::copy_nonoverlapping(local, rp, len);
+                            } else {
+                                std::ptr::copy_nonoverlapping(rp, local, len);
+                            }
+                        }
+                        Status::Success
+                    }
+                    None => Status::RemoteAccess,
+                };
+                t.submit_pop();
+                t.complete(token, status, len, 0);
+                Ok(Step::Done)
+            }
+            OpDesc::Atomic { key, off, op } => {
+                let (status, old) = match self.remote_ptr(&key, off, 8, Access::REMOTE_ATOMIC)? {
+                    Some(rp) => {
+                        // SAFETY: 8 in-bounds bytes of the peer's page-aligned mapping at an
+                        // 8-aligned offset (checked by the tracker); shared atomics are only
+                        // accessed atomically by both sides.
+                        let a = unsafe { AtomicU64::from_ptr(rp as *mut u64) };
+                        let old = match op {
+                            AtomicOp::CompareSwap { expect, new } => {
+                                match a.compare_exchange(
+                                    expect,
+                                    new,
+                                    Ordering::SeqCst,
+                                    Ordering::SeqCst,
+                                ) {
+                                    Ok(v) | Err(v) => v,
+                                }
+                            }
+                            AtomicOp::FetchAdd { add } => a.fetch_add(add, Ordering::SeqCst),
+                        };
+                        let p = t.get(token).expect("live");
+                        let _ = p.buf.copy_from(&old.to_ne_bytes());
+                        (Status::Success, old)
+                    }
+                    None => (Status::RemoteAccess, 0),
+                };
+                t.submit_pop();
+                t.complete(token, status, 8, old);
+                Ok(Step::Done)
+            }
+            OpDesc::Recv => unreachable!("receives are not submissions"),
+        }
+    }
+
+    /// The address of `[off, off+len)` in the peer's region named by `key`, or `None` when
+    /// the peer never announced it, the key is stale or the range / access is not granted.
+    fn remote_ptr(
+        &mut self,
+        key: &crate::RemoteKey,
+        off: u64,
+        len: u64,
+        need: Access,
+    ) -> Result<Option<*mut u8>> {
+        let idx = key.region as usize;
+        if self.remote.get(idx).and_then(|r| r.as_ref()).is_none() {
+            // An announcement may still be in the ring; look once more.
+            self.pump_rx_announcements_only()?;
+        }
+        let Some(r) = self.remote.get(idx).and_then(|r| r.as_ref()) else {
+            return Ok(None);
+        };
+        if r.key != key.key
+            || !r.access.contains(need)
+            || check_range(off, len, r.len as u64).is_err()
+        {
+            return Ok(None);
+        }
+        // SAFETY: off + len <= r.len <= mapping length.
+        Ok(Some(unsafe { r.map.as_mut_ptr().add(off as usize) }))
+    }
+
+    fn pump_rx_announcements_only(&mut self) -> Result<()> {
+        while let Some(rec) = self.rx.peek().map_err(|e| Error::Protocol(e.to_string()))? {
+            if rec.kind != K_ANNOUNCE {
+                break;
+            }
+            self.take_announcement(rec.aux)?;
+            self.rx.consume(&rec);
+        }
+        Ok(())
+    }
+
+    fn take_announcement(&mut self, id: u64) -> Result<()> {
+        let mut b = [0u8; ANN_LEN];
+        let mut got = 0;
+        let mut fds = Vec::new();
+        let end = Instant::now() + Duration::from_secs(5);
+        while got < ANN_LEN {
+            match sys::recv_with_fds(self.sock.as_fd(), &mut b[got..])? {
+                Some((0, _)) => return Err(Error::Disconnected("peer hung up".into())),
+                Some((n, f)) => {
+                    got += n;
+                    fds.extend(f);
+                }
+                None => {
+                    if Instant::now() > end {
+                        return Err(Error::Protocol("announced region never arrived".into()));
+                    }
+                    sys::poll_readable(self.sock.as_fd(), Some(Duration::from_millis(10)))?;
+                }
+            }
+        }
+        let (rid, len, key, access) = decode_announcement(&b)?;
+        if rid as u64 != id || fds.len() != 1 || rid as usize >= MAX_REMOTE_REGIONS {
+            return Err(Error::Protocol(
+                "announcement does not match its record".into(),
+            ));
+        }
+        let fd = fds.pop().expect("one fd");
+        let size = sys::check_sealed_size(fd.as_fd())?;
+        if size < len {
+            return Err(Error::Protocol(
+                "announced region larger than its memory".into(),
+            ));
+        }
+        let map = sys::map_shared(fd.as_fd(), (len as usize).max(1))?;
+        let idx = rid as usize;
+        if self.remote.len() <= idx {
+            self.remote.resize_with(idx + 1, || None);
+        }
+        self.remote[idx] = Some(RemoteRegion {
+            key,
+            access,
+            len: len as usize,
+            map,
+            _fd: fd,
+        });
+        Ok(())
+    }
+
+    fn receive(&mut self, t: &mut Tracker) -> Result<bool> {
+        let mut any = false;
+        for _ in 0..64 {
+            let Some(rec) = self.rx.peek().map_err(|e| Error::Protocol(e.to_string()))? else {
+                break;
+            };
+            match (rec.kind, &mut self.rx_state) {
+                (K_FIRST, RxState::Idle) => {
+                    let Some(token) = t.recv_front() else { break };
+                    let total = rec.aux as usize;
+                    if rec.len > total {
+                        return Err(Error::Protocol(
+                            "first record longer than its message".into(),
+                        ));
+                    }
+                    let p = t.get(token).expect("live recv");
+                    if total > p.buf.len() {
+                        t.recv_pop();
+                        t.complete(token, Status::MessageTooLong, total, 0);
+                        self.rx_state = RxState::Discarding {
+                            left: total - rec.len,
+                        };
+                    } else {
+                        self.rx.read_into_raw(&rec, p.buf.as_ptr());
+                        if rec.len == total {
+                            t.recv_pop();
+                            t.complete(token, Status::Success, total, 0);
+                        } else {
+                            self.rx_state = RxState::Receiving {
+                                token,
+                                total,
+                                got: rec.len,
+                            };
+                        }
+                    }
+                    if let RxState::Discarding { left: 0 } = self.rx_state {
+                        self.rx_state = RxState::Idle;
+                    }
+                }
+                (K_CONT, RxState::Receiving { token, total, got }) => {
+                    if *got + rec.len > *total {
+                        return Err(Error::Protocol("message longer than announced".into()));
+                    }
+                    let p = t.get(*token).expect("live recv");
+                    // SAFETY: got + len <= total <= buf.len().
+                    self.rx
+                        .read_into_raw(&rec, unsafe { p.buf.as_ptr().add(*got) });
+                    *got += rec.len;
+                    if *got == *total {
+                        let (token, total) = (*token, *total);
+                        t.recv_pop();
+                        t.complete(token, Status::Success, total, 0);
+                        self.rx_state = RxState::Idle;
+                    }
+                }
+                (K_CONT, RxState::Discarding { left }) => {
+                    if rec.len > *left {
+                        return Err(Error::Protocol("message longer than announced".into()));
+                    }
+                    *left -= rec.len;
+                    if *left == 0 {
+                        self.rx_state = RxState::Idle;
+                    }
+                }
+                (K_ANNOUNCE, _) => self.take_announcement(rec.aux)?,
+                (kind, _) => {
+                    return Err(Error::Protocol(format!(
+                        "unexpected record kind {kind} in state {:?}",
+                        self.rx_state
+                    )))
+                }
+            }
+            self.rx.consume(&rec);
+            any = true;
+        }
+        Ok(any)
+    }
+
+    fn send_announcement(&mut self, r: &Region) -> Result<()> {
+        let mut b = [0u8; ANN_LEN];
+        b[0..4].copy_from_slice(&ANN_MAGIC.to_le_bytes());
+        b[4..8].copy_from_slice(&r.id().to_le_bytes());
+        b[8..16].copy_from_slice(&(r.len() as u64).to_le_bytes());
+        b[16..24].copy_from_slice(&r.inner.key.to_le_bytes());
+        b[24..28].copy_from_slice(&r.access().bits().to_le_bytes());
+        let fd = r.inner.fd.as_ref().expect("shm regions have a memfd");
+        let end = Instant::now() + Duration::from_secs(5);
+        while !sys::send_with_fds(self.sock.as_fd(), &b, &[fd.as_fd()])? {
+            if Instant::now() > end {
+                return Err(Error::Timeout("region announcement (socket full)"));
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        while !self.tx.push(K_ANNOUNCE, r.id() as u64, &[]) {
+            if Instant::now() > end || sys::peer_hung_up(self.sock.as_fd()) {
+                return Err(Error::Timeout("region announcement (ring full)"));
+            }
+            std::thread::yield_now();
+        }
+        self.notify_peer();
+        Ok(())
+    }
+}
+
+/// Decodes a region announcement: `(region id, len, key, access)`.
+///
+/// # Errors
+/// A [`DecodeError`](crate::DecodeError) for a wrong length, magic or access bits.
+pub fn decode_announcement(
+    b: &[u8],
+) -> std::result::Result<(u32, u64, u64, Access), crate::DecodeError> {
+    use crate::DecodeError as D;
+    if b.len() != ANN_LEN {
+        return Err(D::Truncated {
+            what: "shm announcement",
+            need: ANN_LEN,
+            got: b.len(),
+        });
+    }
+    let magic = u32::from_le_bytes(b[0..4].try_into().unwrap_or_default());
+    if magic != ANN_MAGIC {
+        return Err(D::BadMagic {
+            what: "shm announcement",
+            found: magic as u64,
+        });
+    }
+    let id = u32::from_le_bytes(b[4..8].try_into().unwrap_or_default());
+    let len = u64::from_le_bytes(b[8..16].try_into().unwrap_or_default());
+    let key = u64::from_le_bytes(b[16..24].try_into().unwrap_or_default());
+    let bits = u32::from_le_bytes(b[24..28].try_into().unwrap_or_default());
+    let access = Access::from_bits(bits).ok_or(D::Invalid {
+        what: "shm announcement access",
+        value: bits as u64,
+    })?;
+    if len > isize::MAX as u64 {
+        return Err(D::TooLong {
+            what: "shm announced region",
+            len,
+            max: isize::MAX as u64,
+        });
+    }
+    Ok((id, len, key, access))
+}
+
+impl Consumer {
+    fn read_into_raw(&self, rec: &ring::Record, dst: *mut u8) {
+        // SAFETY: callers pass a destination with at least `rec.len` writable bytes of a
+        // registered region; the record's payload was validated by `peek`.
+        unsafe { std::ptr::copy_nonoverlapping(self.payload_ptr(rec), dst, rec.len) };
+    }
+}
+
+impl Hal for ShmHal {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Shm
+    }
+
+    fn register(&mut self, t: &mut Tracker, len: usize, access: Access) -> Result<Region> {
+        let size = len.max(1).next_multiple_of(4096);
+        let fd = sys::memfd("fabric-shm-region", size)?;
+        sys::seal_size(fd.as_fd())?;
+        let map = sys::map_shared(fd.as_fd(), size)?;
+        let r = Region::new(
+            t.next_region_id(),
+            self.conn,
+            TransportKind::Shm,
+            access,
+            len,
+            map,
+            Some(fd),
+        );
+        if access.is_remote() {
+            self.send_announcement(&r)?;
+        }
+        t.add_region(r.clone());
+        Ok(r)
+    }
+
+    fn progress(&mut self, t: &mut Tracker) -> Result<()> {
+        if self.armed {
+            self.armed = false;
+            self.chan.sleeping(self.side).store(0, Ordering::Relaxed);
+            sys::eventfd_drain(self.efd.as_fd());
+            self.idle = CHECK_EVERY - 1;
+        }
+        let mut moved = false;
+        while let Some(tok) = t.submit_front() {
+            match self.submit_one(t, tok)? {
+                Step::Done => moved = true,
+                Step::Blocked => {
+                    moved = true; // partial progress may have been made
+                    break;
+                }
+            }
+        }
+        if self.receive(t)? {
+            moved = true;
+        }
+        if moved {
+            self.idle = 0;
+            self.notify_peer();
+        } else {
+            self.idle += 1;
+            if self.idle >= CHECK_EVERY {
+                self.idle = 0;
+                if sys::peer_hung_up(self.sock.as_fd()) {
+                    // Whatever the peer published before dying is still delivered.
+                    while self.receive(t)? {}
+                    t.fail_all(Status::PeerGone, "shm peer hung up");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn wait_fd(&self) -> BorrowedFd<'_> {
+        self.epoll.as_fd()
+    }
+
+    fn arm(&mut self, t: &Tracker) -> Result<bool> {
+        sys::eventfd_drain(self.efd.as_fd());
+        self.chan.sleeping(self.side).store(1, Ordering::Relaxed);
+        self.armed = true;
+        fence(Ordering::SeqCst);
+        let work = !self.rx.is_empty()
+            || (t.has_submissions() && self.tx.has_room(self.chunk))
+            || sys::peer_hung_up(self.sock.as_fd());
+        if work {
+            self.armed = false;
+            self.chan.sleeping(self.side).store(0, Ordering::Relaxed);
+            self.idle = CHECK_EVERY - 1;
+        }
+        Ok(!work)
+    }
+}

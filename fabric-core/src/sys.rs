@@ -1,0 +1,344 @@
+//! Thin, checked wrappers over the Linux calls the backends need (`memfd_create`, seals,
+//! `eventfd`, `epoll`, `SCM_RIGHTS`, `SO_PEERCRED`, `poll`). Every unsafe block of the
+//! crate that talks to the kernel is here.
+#![allow(unsafe_code)]
+
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+
+fn cvt(op: &'static str, r: libc::c_int) -> Result<libc::c_int> {
+    if r < 0 {
+        Err(Error::last_os(op))
+    } else {
+        Ok(r)
+    }
+}
+
+/// A sealed-able anonymous memory file of `len` bytes (never a path in the file system).
+///
+/// # Errors
+/// [`Error::Io`] when `memfd_create` or `ftruncate` fails.
+pub fn memfd(name: &str, len: usize) -> Result<OwnedFd> {
+    let cname = std::ffi::CString::new(name).unwrap_or_default();
+    // SAFETY: cname is a valid NUL-terminated string; flags are valid.
+    let fd =
+        unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    cvt("memfd_create", fd)?;
+    // SAFETY: fd is a fresh descriptor we own.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: fd is valid; ftruncate takes no pointers.
+    cvt("ftruncate", unsafe {
+        libc::ftruncate(fd.as_raw_fd(), len as libc::off_t)
+    })?;
+    Ok(fd)
+}
+
+const SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+
+/// Seals the size of a memfd so a peer cannot shrink it under our mapping (SIGBUS).
+///
+/// # Errors
+/// [`Error::Io`] when `fcntl` fails.
+pub fn seal_size(fd: BorrowedFd<'_>) -> Result<()> {
+    // SAFETY: F_ADD_SEALS takes an int argument.
+    cvt("fcntl(F_ADD_SEALS)", unsafe {
+        libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, SEALS)
+    })?;
+    Ok(())
+}
+
+/// Checks that a memfd received from a peer is size-sealed and returns its size.
+///
+/// # Errors
+/// [`Error::Protocol`] when it is not sealed; [`Error::Io`] when `fcntl`/`fstat` fail.
+pub fn check_sealed_size(fd: BorrowedFd<'_>) -> Result<u64> {
+    // SAFETY: F_GET_SEALS takes no argument.
+    let seals = cvt("fcntl(F_GET_SEALS)", unsafe {
+        libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS)
+    })?;
+    if seals & (libc::F_SEAL_SHRINK | libc::F_SEAL_GROW) != libc::F_SEAL_SHRINK | libc::F_SEAL_GROW
+    {
+        return Err(Error::Protocol(
+            "peer's memory file is not size-sealed".into(),
+        ));
+    }
+    let f = std::fs::File::from(fd.try_clone_to_owned().map_err(|e| Error::io("dup", e))?);
+    Ok(f.metadata().map_err(|e| Error::io("fstat", e))?.len())
+}
+
+/// A non-blocking, close-on-exec eventfd.
+///
+/// # Errors
+/// [`Error::Io`] when `eventfd` fails.
+pub fn eventfd() -> Result<OwnedFd> {
+    // SAFETY: plain flags.
+    let fd = cvt("eventfd", unsafe {
+        libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC)
+    })?;
+    // SAFETY: fresh descriptor we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Adds one to an eventfd (wakes a sleeper). Errors are ignored: a full counter still wakes.
+pub fn eventfd_signal(fd: BorrowedFd<'_>) {
+    let one: u64 = 1;
+    // SAFETY: writes 8 bytes from a valid u64.
+    unsafe { libc::write(fd.as_raw_fd(), (&one as *const u64).cast(), 8) };
+}
+
+/// Resets an eventfd's counter (non-blocking).
+pub fn eventfd_drain(fd: BorrowedFd<'_>) {
+    let mut v: u64 = 0;
+    // SAFETY: reads at most 8 bytes into a valid u64.
+    unsafe { libc::read(fd.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+}
+
+/// An epoll instance watching `fds` for readability (and hang-up).
+///
+/// # Errors
+/// [`Error::Io`] when `epoll_create1`/`epoll_ctl` fail.
+pub fn epoll_of(fds: &[BorrowedFd<'_>]) -> Result<OwnedFd> {
+    // SAFETY: plain flags.
+    let ep = cvt("epoll_create1", unsafe {
+        libc::epoll_create1(libc::EPOLL_CLOEXEC)
+    })?;
+    // SAFETY: fresh descriptor we own.
+    let ep = unsafe { OwnedFd::from_raw_fd(ep) };
+    for fd in fds {
+        epoll_set(ep.as_fd(), *fd, false, true)?;
+    }
+    Ok(ep)
+}
+
+/// Adds or modifies `fd` in `ep`: readable + hang-up, and writable if `out`.
+///
+/// # Errors
+/// [`Error::Io`] when `epoll_ctl` fails.
+pub fn epoll_set(ep: BorrowedFd<'_>, fd: BorrowedFd<'_>, out: bool, add: bool) -> Result<()> {
+    let mut ev = libc::epoll_event {
+        events: (libc::EPOLLIN | libc::EPOLLRDHUP | if out { libc::EPOLLOUT } else { 0 }) as u32,
+        u64: fd.as_raw_fd() as u64,
+    };
+    let op = if add {
+        libc::EPOLL_CTL_ADD
+    } else {
+        libc::EPOLL_CTL_MOD
+    };
+    // SAFETY: `ev` is a valid epoll_event; both fds are open.
+    cvt("epoll_ctl", unsafe {
+        libc::epoll_ctl(ep.as_raw_fd(), op, fd.as_raw_fd(), &mut ev)
+    })?;
+    Ok(())
+}
+
+/// Waits until `fd` is readable (or hung up) or `timeout` passes. Returns whether it is.
+///
+/// # Errors
+/// [`Error::Io`] when `poll` fails (EINTR is retried as a spurious wake-up: returns false).
+pub fn poll_readable(fd: BorrowedFd<'_>, timeout: Option<Duration>) -> Result<bool> {
+    let mut p = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ms = timeout.map_or(-1, |d| d.as_millis().min(i32::MAX as u128) as libc::c_int);
+    // SAFETY: one valid pollfd.
+    let r = unsafe { libc::poll(&mut p, 1, ms) };
+    if r < 0 {
+        let e = io::Error::last_os_error();
+        if e.kind() == io::ErrorKind::Interrupted {
+            return Ok(false);
+        }
+        return Err(Error::io("poll", e));
+    }
+    Ok(r > 0)
+}
+
+/// Whether a socket's peer has hung up or the socket failed (non-blocking `poll` for
+/// `POLLRDHUP`; pending unread data does not hide a hang-up).
+pub fn peer_hung_up(fd: BorrowedFd<'_>) -> bool {
+    let mut p = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLRDHUP,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, zero timeout.
+    let r = unsafe { libc::poll(&mut p, 1, 0) };
+    r > 0 && p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR | libc::POLLNVAL) != 0
+}
+
+/// Our effective uid.
+pub fn uid() -> u32 {
+    // SAFETY: geteuid cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// The uid of the process at the other end of a Unix socket (`SO_PEERCRED`).
+///
+/// # Errors
+/// [`Error::Io`] when `getsockopt` fails.
+pub fn peer_uid(fd: BorrowedFd<'_>) -> Result<u32> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred`/`len` are valid out-parameters of the right size.
+    cvt("getsockopt(SO_PEERCRED)", unsafe {
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    })?;
+    Ok(cred.uid)
+}
+
+const MAX_FDS: usize = 4;
+
+/// Sends `data` with `fds` attached (`SCM_RIGHTS`) on a Unix stream socket.
+/// Returns `Ok(false)` if the socket would block.
+///
+/// # Errors
+/// [`Error::Io`] when `sendmsg` fails.
+pub fn send_with_fds(sock: BorrowedFd<'_>, data: &[u8], fds: &[BorrowedFd<'_>]) -> Result<bool> {
+    assert!(fds.len() <= MAX_FDS && !data.is_empty());
+    let mut iov = libc::iovec {
+        iov_base: data.as_ptr() as *mut libc::c_void,
+        iov_len: data.len(),
+    };
+    // u64 array for alignment of the control buffer.
+    let mut cbuf = [0u64; 16];
+    // SAFETY: CMSG_SPACE is a pure computation.
+    let space = unsafe { libc::CMSG_SPACE((fds.len() * 4) as u32) } as usize;
+    // SAFETY: zeroed msghdr is a valid "empty" value.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    if !fds.is_empty() {
+        msg.msg_control = cbuf.as_mut_ptr().cast();
+        msg.msg_controllen = space as _;
+        // SAFETY: msg_control points to `space` <= 128 bytes of aligned memory.
+        unsafe {
+            let c = libc::CMSG_FIRSTHDR(&msg);
+            (*c).cmsg_level = libc::SOL_SOCKET;
+            (*c).cmsg_type = libc::SCM_RIGHTS;
+            (*c).cmsg_len = libc::CMSG_LEN((fds.len() * 4) as u32) as _;
+            let p = libc::CMSG_DATA(c) as *mut RawFd;
+            for (i, fd) in fds.iter().enumerate() {
+                p.add(i).write_unaligned(fd.as_raw_fd());
+            }
+        }
+    }
+    loop {
+        // SAFETY: msg is fully initialised and points to live buffers.
+        let r = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
+        if r >= 0 {
+            if (r as usize) < data.len() {
+                return Err(Error::Protocol("short sendmsg on a control socket".into()));
+            }
+            return Ok(true);
+        }
+        let e = io::Error::last_os_error();
+        match e.kind() {
+            io::ErrorKind::Interrupted => continue,
+            io::ErrorKind::WouldBlock => return Ok(false),
+            _ => return Err(Error::io("sendmsg", e)),
+        }
+    }
+}
+
+/// Receives up to `buf.len()` bytes and any attached descriptors (non-blocking socket:
+/// `Ok(None)` when nothing is there). Returns the byte count (0 = hang-up) and the fds.
+///
+/// # Errors
+/// [`Error::Io`] when `recvmsg` fails; [`Error::Protocol`] when more than four
+/// descriptors or a truncated control message arrive (any received fds are closed).
+pub fn recv_with_fds(
+    sock: BorrowedFd<'_>,
+    buf: &mut [u8],
+) -> Result<Option<(usize, Vec<OwnedFd>)>> {
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    let mut cbuf = [0u64; 16];
+    // SAFETY: zeroed msghdr is valid.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cbuf.as_mut_ptr().cast();
+    msg.msg_controllen = std::mem::size_of_val(&cbuf) as _;
+    let r = loop {
+        // SAFETY: msg points to live buffers of the stated sizes.
+        let r = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+        if r >= 0 {
+            break r as usize;
+        }
+        let e = io::Error::last_os_error();
+        match e.kind() {
+            io::ErrorKind::Interrupted => continue,
+            io::ErrorKind::WouldBlock => return Ok(None),
+            _ => return Err(Error::io("recvmsg", e)),
+        }
+    };
+    let mut fds = Vec::new();
+    // SAFETY: walking the control messages the kernel filled in, within msg_controllen.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(&msg);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(c) as *const RawFd;
+                let n = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / 4;
+                for i in 0..n {
+                    fds.push(OwnedFd::from_raw_fd(data.add(i).read_unaligned()));
+                }
+            }
+            c = libc::CMSG_NXTHDR(&msg, c);
+        }
+    }
+    if msg.msg_flags & libc::MSG_CTRUNC != 0 || fds.len() > MAX_FDS {
+        return Err(Error::Protocol(
+            "too many descriptors on the control socket".into(),
+        ));
+    }
+    Ok(Some((r, fds)))
+}
+
+/// Random bytes from the kernel (`getrandom`).
+///
+/// # Errors
+/// [`Error::Io`] when `getrandom` fails.
+pub fn random_bytes(buf: &mut [u8]) -> Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        // SAFETY: writes at most the remaining length into `buf`.
+        let r = unsafe { libc::getrandom(buf[done..].as_mut_ptr().cast(), buf.len() - done, 0) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(Error::io("getrandom", e));
+        }
+        done += r as usize;
+    }
+    Ok(())
+}
+
+/// Shared (`MAP_SHARED`) read-write mapping of `len` bytes of `fd`.
+///
+/// # Errors
+/// [`Error::Io`] when `mmap` fails.
+pub fn map_shared(fd: BorrowedFd<'_>, len: usize) -> Result<memmap2::MmapRaw> {
+    memmap2::MmapOptions::new()
+        .len(len)
+        .map_raw(&fd)
+        .map_err(|e| Error::io("mmap", e))
+}

@@ -1,0 +1,478 @@
+//! The measurement engine behind `examples/pingpong.rs` and `examples/bandwidth.rs`.
+//!
+//! Two roles over one [`Transport`]: the *initiator* drives phases and measures; the
+//! *responder* obeys 32-byte control messages (`mode`, `size`, `iters`) and then echoes
+//! (ping-pong), absorbs (stream) or both ends stream at once (bidirectional). One-sided
+//! phases use a region the responder registers and announces with its key.
+
+use std::time::{Duration, Instant};
+
+use fabric_core::{Access, Buf, Completion, Error, OpKind, Region, RemoteKey, Status, Transport};
+
+/// Receives the responder keeps posted.
+pub const WINDOW: usize = 16;
+const CTRL_MAGIC: u32 = 0x4642_5043; // "FBPC"
+const CTRL_LEN: usize = 32;
+
+/// A phase the initiator asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// End of run.
+    Quit = 0,
+    /// Echo `iters` messages of `size` bytes.
+    PingPong = 1,
+    /// Receive `iters` messages, then answer one 8-byte ack.
+    Stream = 2,
+    /// Receive `iters` messages while sending `iters` back, then ack.
+    BiStream = 3,
+    /// Wait for one 8-byte "done" message (the initiator wrote one-sided), then ack.
+    OneSided = 4,
+}
+
+impl Mode {
+    fn from(v: u32) -> Option<Self> {
+        Some(match v {
+            0 => Mode::Quit,
+            1 => Mode::PingPong,
+            2 => Mode::Stream,
+            3 => Mode::BiStream,
+            4 => Mode::OneSided,
+            _ => return None,
+        })
+    }
+}
+
+/// One measured row.
+#[derive(Debug, Clone, Copy)]
+pub struct Row {
+    /// Message size.
+    pub size: usize,
+    /// Iterations measured.
+    pub iters: usize,
+    /// Median one-way latency (half the round trip), microseconds.
+    pub lat_typical_us: f64,
+    /// 99th percentile one-way latency, microseconds.
+    pub lat_p99_us: f64,
+    /// Bandwidth in MiB/s (`None` when not measured).
+    pub bw_mib_s: Option<f64>,
+}
+
+/// Sizes 8 B, 16 B, ... up to `max` (powers of two from `min`).
+pub fn sizes(min: usize, max: usize) -> Vec<usize> {
+    let mut v = Vec::new();
+    let mut s = min.max(1);
+    while s <= max {
+        v.push(s);
+        s *= 2;
+    }
+    v
+}
+
+/// Default ping-pong iterations for `size`.
+pub fn lat_iters(size: usize) -> usize {
+    ((512usize << 20) / size.max(1)).clamp(100, 10_000)
+}
+
+/// Default streaming iterations for `size`.
+pub fn bw_iters(size: usize) -> usize {
+    ((1usize << 30) / size.max(1)).clamp(64, 20_000)
+}
+
+fn err(s: impl Into<String>) -> Error {
+    Error::Protocol(s.into())
+}
+
+/// A connection plus the completion slots to poll into.
+#[derive(Debug)]
+pub struct Peer {
+    /// The connection.
+    pub conn: Box<dyn Transport>,
+    cq: Vec<Completion>,
+    deadline: Duration,
+}
+
+impl Peer {
+    /// Wraps a connection; `deadline` bounds any single wait for a completion.
+    pub fn new(conn: Box<dyn Transport>, deadline: Duration) -> Self {
+        Peer {
+            conn,
+            cq: (0..1).map(|_| Completion::default()).collect(),
+            deadline,
+        }
+    }
+
+    /// The next completion: busy-polls for a while, then sleeps on the wait fd.
+    ///
+    /// # Errors
+    /// A failed completion (`Error::Disconnected` / `Error::Protocol` with its status) or
+    /// no completion within the deadline.
+    pub fn next_completion(&mut self) -> fabric_core::Result<Completion> {
+        let mut spins = 0u32;
+        let mut start: Option<Instant> = None;
+        loop {
+            if self.conn.poll(&mut self.cq)? > 0 {
+                let c = std::mem::take(&mut self.cq[0]);
+                if c.status != Status::Success {
+                    return Err(match c.status {
+                        Status::PeerGone => {
+                            Error::Disconnected(format!("{:?} failed: peer gone", c.op))
+                        }
+                        s => err(format!("{:?} completed with {s:?}", c.op)),
+                    });
+                }
+                return Ok(c);
+            }
+            spins += 1;
+            if spins > 20_000 {
+                let t0 = *start.get_or_insert_with(Instant::now);
+                if t0.elapsed() > self.deadline {
+                    return Err(Error::Timeout("completion"));
+                }
+                self.conn.wait(Some(Duration::from_millis(20)))?;
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    fn send(&mut self, buf: Buf, wr: u64) -> fabric_core::Result<()> {
+        self.conn.post_send(buf, wr).map_err(|e| e.error)
+    }
+    fn recv(&mut self, buf: Buf, wr: u64) -> fabric_core::Result<()> {
+        self.conn.post_recv(buf, wr).map_err(|e| e.error)
+    }
+}
+
+fn ctrl(mode: Mode, size: usize, iters: usize) -> [u8; CTRL_LEN] {
+    let mut b = [0u8; CTRL_LEN];
+    b[0..4].copy_from_slice(&CTRL_MAGIC.to_le_bytes());
+    b[4..8].copy_from_slice(&(mode as u32).to_le_bytes());
+    b[8..16].copy_from_slice(&(size as u64).to_le_bytes());
+    b[16..24].copy_from_slice(&(iters as u64).to_le_bytes());
+    b
+}
+
+fn parse_ctrl(b: &[u8]) -> fabric_core::Result<(Mode, usize, usize)> {
+    if b.len() != CTRL_LEN || b[0..4] != CTRL_MAGIC.to_le_bytes() {
+        return Err(err("expected a control message"));
+    }
+    let u = |r: std::ops::Range<usize>| {
+        let mut a = [0u8; 8];
+        a[..r.len()].copy_from_slice(&b[r]);
+        u64::from_le_bytes(a)
+    };
+    let mode = Mode::from(u(4..8) as u32).ok_or_else(|| err("unknown mode"))?;
+    Ok((mode, u(8..16) as usize, u(16..24) as usize))
+}
+
+/// The responder: serves phases until `Quit`. `max` is the largest message size.
+///
+/// # Errors
+/// Transport failures or a peer breaking the protocol.
+pub fn respond(peer: &mut Peer, max: usize) -> fabric_core::Result<()> {
+    let slot = max.max(CTRL_LEN);
+    let rx = peer.conn.register(slot * WINDOW, Access::empty())?;
+    let tx = peer.conn.register(slot, Access::empty())?;
+    let target = peer
+        .conn
+        .register(max.max(8), Access::REMOTE_WRITE | Access::REMOTE_READ)?;
+    for i in 0..WINDOW {
+        peer.recv(rx.slice(i * slot, slot)?, 0)?;
+    }
+    // Tell the initiator our one-sided key.
+    let key = target.remote_key().expect("remote access");
+    let kb = tx.slice(0, RemoteKey::PACKED_LEN)?;
+    kb.copy_from(&key.pack())?;
+    peer.send(kb, 1)?;
+    loop {
+        let c = next_recv(peer, &rx, slot)?;
+        let mut cb = [0u8; CTRL_LEN];
+        let buf = c.buf.expect("buf");
+        if c.len != CTRL_LEN {
+            return Err(err(format!(
+                "expected a control message, got {} bytes",
+                c.len
+            )));
+        }
+        buf.copy_to(&mut cb)?;
+        repost(peer, buf, slot)?;
+        let (mode, size, iters) = parse_ctrl(&cb)?;
+        match mode {
+            Mode::Quit => return Ok(()),
+            Mode::PingPong => {
+                for _ in 0..iters {
+                    let c = next_recv(peer, &rx, slot)?;
+                    let mut b = c.buf.expect("buf");
+                    b.set_len(c.len)?;
+                    peer.send(b, 2)?;
+                    // Wait for the echo's send completion, then give the buffer back.
+                    let c = peer.next_completion()?;
+                    if c.op != OpKind::Send {
+                        return Err(err("unexpected receive during an echo"));
+                    }
+                    repost(peer, c.buf.expect("buf"), slot)?;
+                }
+            }
+            Mode::Stream | Mode::BiStream => {
+                let bi = mode == Mode::BiStream;
+                let (mut got, mut sent, mut sends_out) = (0, 0, 0);
+                while got < iters || (bi && sent < iters) || sends_out > 0 {
+                    while bi && sent < iters && sends_out < WINDOW {
+                        peer.send(tx.slice(0, size)?, 3)?;
+                        sent += 1;
+                        sends_out += 1;
+                    }
+                    let c = peer.next_completion()?;
+                    match c.op {
+                        OpKind::Recv => {
+                            got += 1;
+                            repost(peer, c.buf.expect("buf"), slot)?;
+                        }
+                        _ => sends_out -= 1,
+                    }
+                }
+                ack(peer, &tx)?;
+            }
+            Mode::OneSided => {
+                let c = next_recv(peer, &rx, slot)?;
+                repost(peer, c.buf.expect("buf"), slot)?;
+                ack(peer, &tx)?;
+            }
+        }
+    }
+}
+
+fn ack(peer: &mut Peer, tx: &Region) -> fabric_core::Result<()> {
+    peer.send(tx.slice(0, 8)?, 9)?;
+    let c = peer.next_completion()?;
+    if c.op != OpKind::Send {
+        return Err(err("unexpected completion while acking"));
+    }
+    Ok(())
+}
+
+fn repost(peer: &mut Peer, mut b: Buf, slot: usize) -> fabric_core::Result<()> {
+    b.set_len(slot)?;
+    peer.recv(b, 0)
+}
+
+fn next_recv(peer: &mut Peer, _rx: &Region, _slot: usize) -> fabric_core::Result<Completion> {
+    loop {
+        let c = peer.next_completion()?;
+        if c.op == OpKind::Recv {
+            return Ok(c);
+        }
+        // A send completion of ours: nothing to do (its buffer is a slice of `tx`).
+    }
+}
+
+/// The initiator's side of a run.
+#[derive(Debug)]
+pub struct Initiator {
+    peer: Peer,
+    _rx: Region,
+    tx: Region,
+    scratch: Region,
+    remote: RemoteKey,
+    slot: usize,
+}
+
+impl Initiator {
+    /// Sets up buffers for messages up to `max` bytes and learns the responder's key.
+    ///
+    /// # Errors
+    /// Transport failures or a peer breaking the protocol.
+    pub fn new(mut peer: Peer, max: usize) -> fabric_core::Result<Self> {
+        let slot = max.max(CTRL_LEN).max(RemoteKey::PACKED_LEN);
+        let rx = peer.conn.register(slot * WINDOW, Access::empty())?;
+        let tx = peer.conn.register(slot, Access::empty())?;
+        tx.fill(0, slot, 0x5a)?;
+        let scratch = peer.conn.register(slot, Access::empty())?;
+        for i in 0..WINDOW {
+            peer.recv(rx.slice(i * slot, slot)?, 0)?;
+        }
+        let c = next_recv(&mut peer, &rx, slot)?;
+        let b = c.buf.expect("buf");
+        let mut kb = [0u8; RemoteKey::PACKED_LEN];
+        if c.len != kb.len() {
+            return Err(err("expected the responder's remote key"));
+        }
+        b.copy_to(&mut kb)?;
+        let remote = RemoteKey::decode(&kb)?;
+        repost(&mut peer, b, slot)?;
+        Ok(Initiator {
+            peer,
+            _rx: rx,
+            tx,
+            scratch,
+            remote,
+            slot,
+        })
+    }
+
+    /// The transport in use.
+    pub fn conn(&self) -> &dyn Transport {
+        self.peer.conn.as_ref()
+    }
+
+    fn control(&mut self, mode: Mode, size: usize, iters: usize) -> fabric_core::Result<()> {
+        let b = self.tx.slice(0, CTRL_LEN)?;
+        // The control bytes go into tx[0..32]; data phases reuse tx afterwards, which is
+        // fine: the send completed (copied or on the wire) before we return.
+        b.copy_from(&ctrl(mode, size, iters))?;
+        self.peer.send(b, 100)?;
+        let c = self.peer.next_completion()?;
+        if c.op != OpKind::Send {
+            return Err(err("unexpected completion after a control message"));
+        }
+        if mode != Mode::Quit {
+            self.tx.fill(0, CTRL_LEN, 0x5a)?;
+        }
+        Ok(())
+    }
+
+    /// Ping-pong `iters` messages of `size`; returns (median, p99) one-way latency in µs.
+    ///
+    /// # Errors
+    /// Transport failures or a peer breaking the protocol.
+    pub fn pingpong(&mut self, size: usize, iters: usize) -> fabric_core::Result<(f64, f64)> {
+        self.control(Mode::PingPong, size, iters)?;
+        let mut samples = Vec::with_capacity(iters);
+        for _ in 0..iters {
+            let t0 = Instant::now();
+            self.peer.send(self.tx.slice(0, size)?, 1)?;
+            let mut got_recv = None;
+            let mut got_send = false;
+            while got_recv.is_none() || !got_send {
+                let c = self.peer.next_completion()?;
+                match c.op {
+                    OpKind::Send => got_send = true,
+                    OpKind::Recv => {
+                        if c.len != size {
+                            return Err(err(format!("echo of {} bytes, sent {size}", c.len)));
+                        }
+                        got_recv = Some(t0.elapsed());
+                        repost(&mut self.peer, c.buf.expect("buf"), self.slot)?;
+                    }
+                    _ => return Err(err("unexpected completion")),
+                }
+            }
+            samples.push(got_recv.unwrap_or_default().as_secs_f64() * 1e6 / 2.0);
+        }
+        samples.sort_by(|a, b| a.total_cmp(b));
+        let med = samples[samples.len() / 2];
+        let p99 = samples[((samples.len() * 99) / 100).min(samples.len() - 1)];
+        Ok((med, p99))
+    }
+
+    /// Streams `iters` sends of `size` (both ways if `bi`); returns MiB/s (per direction).
+    ///
+    /// # Errors
+    /// Transport failures or a peer breaking the protocol.
+    pub fn stream(&mut self, size: usize, iters: usize, bi: bool) -> fabric_core::Result<f64> {
+        self.control(if bi { Mode::BiStream } else { Mode::Stream }, size, iters)?;
+        let t0 = Instant::now();
+        let (mut sent, mut done, mut got, mut acked) = (0, 0, 0, false);
+        while done < iters || (bi && got < iters) || !acked {
+            while sent < iters && sent - done < WINDOW {
+                match self.peer.conn.post_send(self.tx.slice(0, size)?, 1) {
+                    Ok(()) => sent += 1,
+                    Err(e) if e.is_would_block() => break,
+                    Err(e) => return Err(e.error),
+                }
+            }
+            let c = self.peer.next_completion()?;
+            match c.op {
+                OpKind::Send => done += 1,
+                OpKind::Recv => {
+                    if bi && got < iters {
+                        got += 1;
+                    } else {
+                        acked = true;
+                    }
+                    repost(&mut self.peer, c.buf.expect("buf"), self.slot)?;
+                }
+                _ => return Err(err("unexpected completion")),
+            }
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        Ok((size * iters) as f64 / secs / (1 << 20) as f64)
+    }
+
+    /// One-sided: `iters` writes (or reads) of `size` into the responder's region, then a
+    /// "done" message and its ack; returns MiB/s.
+    ///
+    /// # Errors
+    /// Transport failures, or a transport without one-sided operations.
+    pub fn one_sided(&mut self, size: usize, iters: usize, read: bool) -> fabric_core::Result<f64> {
+        self.control(Mode::OneSided, size, iters)?;
+        let key = self.remote;
+        let t0 = Instant::now();
+        let (mut posted, mut done) = (0, 0);
+        while done < iters {
+            while posted < iters && posted - done < WINDOW {
+                let r = if read {
+                    self.peer
+                        .conn
+                        .post_read(self.scratch.slice(0, size)?, &key, 0, 5)
+                } else {
+                    self.peer
+                        .conn
+                        .post_write(self.tx.slice(0, size)?, &key, 0, 5)
+                };
+                match r {
+                    Ok(()) => posted += 1,
+                    Err(e) if e.is_would_block() => break,
+                    Err(e) => return Err(e.error),
+                }
+            }
+            let c = self.peer.next_completion()?;
+            match c.op {
+                OpKind::Write | OpKind::Read => done += 1,
+                _ => return Err(err("unexpected completion")),
+            }
+        }
+        // Tell the responder, wait for its ack (so the data is surely there).
+        self.peer.send(self.tx.slice(0, 8)?, 6)?;
+        let mut acked = false;
+        let mut send_done = false;
+        while !acked || !send_done {
+            let c = self.peer.next_completion()?;
+            match c.op {
+                OpKind::Send => send_done = true,
+                OpKind::Recv => {
+                    acked = true;
+                    repost(&mut self.peer, c.buf.expect("buf"), self.slot)?;
+                }
+                _ => return Err(err("unexpected completion")),
+            }
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        Ok((size * iters) as f64 / secs / (1 << 20) as f64)
+    }
+
+    /// Ends the run (the responder returns from [`respond`]).
+    ///
+    /// # Errors
+    /// Transport failures.
+    pub fn quit(&mut self) -> fabric_core::Result<()> {
+        self.control(Mode::Quit, 0, 0)
+    }
+}
+
+/// Prints the perftest-style header.
+pub fn print_header() {
+    println!(
+        "{:>10} {:>8} {:>14} {:>12} {:>14}",
+        "#bytes", "#iters", "t_typical[us]", "t_p99[us]", "BW[MiB/s]"
+    );
+}
+
+/// Prints one row.
+pub fn print_row(r: &Row) {
+    let bw = r.bw_mib_s.map_or("-".to_string(), |b| format!("{b:.1}"));
+    println!(
+        "{:>10} {:>8} {:>14.2} {:>12.2} {:>14}",
+        r.size, r.iters, r.lat_typical_us, r.lat_p99_us, bw
+    );
+}
