@@ -79,8 +79,9 @@ fn cuda(op: &'static str) -> impl Fn(nv::Error) -> Error {
     }
 }
 
-/// The GPU this process uses: `FABRIC_CUDA_DEVICE` (default 0).
-fn open_device() -> Result<nv::Device> {
+/// The driver and the ordinal of the GPU this process uses: `FABRIC_CUDA_DEVICE`
+/// (default 0). Loads the driver but creates no context.
+fn driver() -> Result<(nv::Cuda, usize)> {
     let cuda = nv::Cuda::init().map_err(unavailable)?;
     let ordinal = match std::env::var("FABRIC_CUDA_DEVICE") {
         Ok(v) => v.trim().parse().map_err(|_| {
@@ -88,11 +89,23 @@ fn open_device() -> Result<nv::Device> {
         })?,
         Err(_) => 0,
     };
+    if ordinal >= cuda.device_count() {
+        return Err(unavailable(nv::Error::DeviceOutOfRange {
+            ordinal,
+            count: cuda.device_count(),
+        }));
+    }
+    Ok((cuda, ordinal))
+}
+
+/// Opens (the primary context of) the GPU this process uses.
+fn open_device() -> Result<nv::Device> {
+    let (cuda, ordinal) = driver()?;
     cuda.device(ordinal).map_err(unavailable)
 }
 
 fn probe() -> Result<()> {
-    open_device().map(|_| ())
+    driver().map(|_| ())
 }
 
 fn check_peer(stream: &UnixStream) -> Result<()> {
@@ -270,17 +283,18 @@ pub struct CudaIpcListener {
     sock: UnixListener,
     address: String,
     opts: Options,
-    device: nv::Device,
+    /// Opened at the first connection (a listener that is never used costs no context).
+    device: Option<nv::Device>,
 }
 
 impl CudaIpcListener {
-    /// Opens the GPU and binds a fresh abstract-namespace address.
+    /// Checks for the driver and binds a fresh abstract-namespace address.
     ///
     /// # Errors
     /// [`Error::Unavailable`] without a CUDA driver or GPU; [`Error::Io`] when the socket
     /// cannot be bound.
     pub fn bind(opts: &Options) -> Result<Self> {
-        let device = open_device()?;
+        driver()?;
         let mut rnd = [0u8; 8];
         sys::random_bytes(&mut rnd)?;
         let name = format!(
@@ -297,7 +311,7 @@ impl CudaIpcListener {
             sock,
             address: format!("cuda-ipc:@{name}"),
             opts: opts.clone(),
-            device,
+            device: None,
         })
     }
 }
@@ -313,8 +327,12 @@ impl Listener for CudaIpcListener {
         loop {
             match self.sock.accept() {
                 Ok((s, _)) => {
+                    let device = match &self.device {
+                        Some(d) => d.clone(),
+                        None => self.device.insert(open_device()?).clone(),
+                    };
                     // A stranger (other uid) or a failing setup is dropped; keep serving.
-                    if let Ok(t) = finish(s, &self.device, &self.opts) {
+                    if let Ok(t) = finish(s, &device, &self.opts) {
                         return Ok(Some(t));
                     }
                 }

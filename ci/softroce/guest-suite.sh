@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# guest-suite.sh — the real-verbs suite, run INSIDE the Soft-RoCE guest by suite.sh:
+#
+#   ci/softroce/run-in-guest.sh --layout all -- ci/softroce/guest-suite.sh TESTLIST EXAMPLES_DIR
+#
+# TESTLIST holds one line per host-built test executable, "<package dir> TAB <executable>";
+# each runs in its package directory (as under cargo test) with --test-threads=1
+# (override with SOFTROCE_TEST_THREADS) under a timeout (SOFTROCE_STEP_TIMEOUT, default 600 s).
+# When EXAMPLES_DIR/rc_pingpong exists, the ibv_rc_pingpong interop pairings run on both
+# layouts: rdma-core's server with our client, our server with rdma-core's client, ours with
+# ours. Prints a summary and exits 1 if any step failed.
+set -u
+LIST=${1:?usage: guest-suite.sh TESTLIST EXAMPLES_DIR}
+EXAMPLES=${2:?usage: guest-suite.sh TESTLIST EXAMPLES_DIR}
+STEP_TIMEOUT=${SOFTROCE_STEP_TIMEOUT:-600}
+THREADS=${SOFTROCE_TEST_THREADS:-1}
+LO_DEV=${SOFTROCE_LO_DEV:-rxe0} LO_GID=${SOFTROCE_LO_GID:-1}
+read -r PAIR_A PAIR_B <<< "${SOFTROCE_PAIR_DEVS:-rxe1 rxe2}"
+PAIR_GID=${SOFTROCE_PAIR_GID:-0}
+export RUST_BACKTRACE=1
+SUMMARY=()
+FAILED=0
+T_START=$(date +%s.%N)
+since() { awk -v a="$(date +%s.%N)" -v b="$1" 'BEGIN{printf "%.1f", a-b}'; }
+record() { # status name seconds
+  SUMMARY+=("$(printf '%-4s %7ss  %s' "$1" "$3" "$2")")
+  [ "$1" = PASS ] || FAILED=$((FAILED + 1))
+}
+
+run_test_binary() { # package-dir executable
+  local dir=$1 bin=$2 name t0 rc
+  name=$(basename "$bin")
+  echo
+  echo "=== test binary $name"
+  t0=$(date +%s.%N)
+  (cd "$dir" && exec timeout -k 10 "$STEP_TIMEOUT" "$bin" --test-threads="$THREADS")
+  rc=$?
+  if [ $rc = 0 ]; then record PASS "$name" "$(since "$t0")"
+  elif [ $rc = 124 ] || [ $rc = 137 ]; then record FAIL "$name (timed out after ${STEP_TIMEOUT}s)" "$(since "$t0")"
+  else record FAIL "$name (status $rc)" "$(since "$t0")"; fi
+}
+
+wait_listen() { # port: wait (max 20 s) for a TCP listener
+  local i=0
+  while [ $i -lt 200 ]; do
+    ss -Hltn "sport = :$1" 2> /dev/null | grep -q . && return 0
+    sleep 0.1
+    i=$((i + 1))
+  done
+  return 1
+}
+
+PORT=18600
+# pingpong_pair NAME SERVER-PROGRAM CLIENT-PROGRAM SERVER-DEV CLIENT-DEV GID [EXTRA ARGS...]
+# Both programs take rdma-core's ibv_rc_pingpong options; both must exit 0 and report.
+pingpong_pair() {
+  local name=$1 sprog=$2 cprog=$3 sdev=$4 cdev=$5 gid=$6
+  shift 6
+  PORT=$((PORT + 1))
+  local out srv cli t0 src crc ok=1
+  out=$(mktemp -d)
+  echo
+  echo "=== interop $name (port $PORT)"
+  t0=$(date +%s.%N)
+  timeout -k 5 120 "$sprog" -p "$PORT" -d "$sdev" -g "$gid" "$@" > "$out/server" 2>&1 &
+  srv=$!
+  if wait_listen "$PORT"; then
+    timeout -k 5 120 "$cprog" -p "$PORT" -d "$cdev" -g "$gid" "$@" 127.0.0.1 > "$out/client" 2>&1
+    crc=$?
+  else
+    echo "server never listened on port $PORT" > "$out/client"
+    crc=1
+  fi
+  wait "$srv"
+  src=$?
+  sed 's/^/  [server] /' "$out/server"
+  sed 's/^/  [client] /' "$out/client"
+  [ $src = 0 ] && [ $crc = 0 ] || ok=0
+  grep -q 'iters in' "$out/server" && grep -q 'iters in' "$out/client" || ok=0
+  if [ $ok = 1 ]; then record PASS "$name" "$(since "$t0")"
+  else record FAIL "$name (server status $src, client status $crc)" "$(since "$t0")"; fi
+  rm -rf "$out"
+}
+
+echo "=== devices"
+ibv_devices
+while IFS=$'\t' read -r dir bin; do
+  [ -n "$bin" ] || continue
+  if [ -x "$bin" ]; then run_test_binary "$dir" "$bin"
+  else record FAIL "$(basename "$bin") (not found: $bin)" 0; fi
+done < "$LIST"
+
+OURS=$EXAMPLES/rc_pingpong
+THEIRS=$(command -v ibv_rc_pingpong || true)
+if [ -x "$OURS" ] && [ -n "$THEIRS" ]; then
+  for layout in lo pair; do
+    if [ $layout = lo ]; then sd=$LO_DEV cd=$LO_DEV g=$LO_GID; else sd=$PAIR_A cd=$PAIR_B g=$PAIR_GID; fi
+    pingpong_pair "rc_pingpong $layout: rdma-core server <-> our client" "$THEIRS" "$OURS" "$sd" "$cd" "$g" -n 200
+    pingpong_pair "rc_pingpong $layout: our server <-> rdma-core client" "$OURS" "$THEIRS" "$sd" "$cd" "$g" -n 200
+    pingpong_pair "rc_pingpong $layout: ours <-> ours" "$OURS" "$OURS" "$sd" "$cd" "$g" -n 200
+  done
+  # non-default sizes and options must agree too
+  pingpong_pair "rc_pingpong lo: -s 64 -r 32 -m 4096 -e, rdma-core server <-> our client" \
+    "$THEIRS" "$OURS" "$LO_DEV" "$LO_DEV" "$LO_GID" -n 100 -s 64 -r 32 -m 4096 -e
+  pingpong_pair "rc_pingpong lo: -s 65536 -e, our server <-> rdma-core client" \
+    "$OURS" "$THEIRS" "$LO_DEV" "$LO_DEV" "$LO_GID" -n 50 -s 65536 -e
+elif [ -z "$THEIRS" ]; then
+  record FAIL "interop: rdma-core's ibv_rc_pingpong not installed (ibverbs-utils)" 0
+else
+  echo "=== interop: $OURS not built, pairings skipped"
+fi
+
+echo
+echo "=== real-verbs suite summary ($(since "$T_START") s in the guest)"
+printf '%s\n' "${SUMMARY[@]}"
+if [ $FAILED -gt 0 ]; then
+  echo "$FAILED step(s) FAILED"
+  exit 1
+fi
+echo "all ${#SUMMARY[@]} steps passed"

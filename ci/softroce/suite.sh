@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# suite.sh — the real-verbs suite: builds the workspace's test executables and examples on
+# the host, boots ONE Soft-RoCE guest (rxe0 on lo + rxe1/rxe2 on a veth pair) and runs them
+# all there, plus the ibv_rc_pingpong interop pairings (guest-suite.sh). Exits non-zero when
+# anything fails. Run by .ci/run after the host tests; runs locally the same way:
+#
+#   ci/softroce/suite.sh                 # whole suite
+#   ci/softroce/suite.sh verbs_pingpong  # only test executables whose name contains a filter
+#
+# Knobs: SOFTROCE_SUITE_PACKAGES (packages whose tests run; default: every workspace
+# package with code that talks to verbs), SOFTROCE_SUITE_TIMEOUT (guest seconds, default 1500),
+# SOFTROCE_STEP_TIMEOUT (per test executable, default 600), SOFTROCE_TEST_THREADS (default 1).
+set -euo pipefail
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)
+cd "$HERE/../.."
+log() { echo "[softroce-suite] $*" >&2; }
+t0=$(date +%s)
+
+# nvlink-p2p's tests need a GPU, never present in the guest; they run on the host already
+read -r -a PACKAGES <<< "${SOFTROCE_SUITE_PACKAGES:-fabric ibverbs-safe fabric-core}"
+PKG_ARGS=()
+for p in "${PACKAGES[@]}"; do PKG_ARGS+=(-p "$p"); done
+
+# fetch the kernel and build the initramfs while cargo builds
+prep_log=$(mktemp)
+"$HERE/run-in-guest.sh" --prepare > "$prep_log" 2>&1 &
+prep_pid=$!
+
+log "building test executables and examples (${PACKAGES[*]})"
+list=$(mktemp)
+trap 'rm -f "$list" "$prep_log"' EXIT
+# one line per test executable: <package directory> TAB <executable> (cargo runs tests in
+# their package's directory; the guest does the same)
+cargo test "${PKG_ARGS[@]}" --no-run --message-format=json-render-diagnostics |
+  sed -n 's|.*"manifest_path":"\([^"]*\)/Cargo.toml".*"executable":"\([^"]*\)".*|\1\t\2|p' |
+  sort -u > "$list.all"
+mv "$list.all" "$list"
+cargo build "${PKG_ARGS[@]}" --examples
+target=$(cargo metadata --no-deps --format-version 1 | grep -o '"target_directory":"[^"]*"' | cut -d'"' -f4)
+if (($#)); then
+  pattern=$(printf '%s\n' "$@")
+  grep -F "$pattern" "$list" > "$list.f" || true
+  mv "$list.f" "$list"
+fi
+log "$(wc -l < "$list") test executables:"
+sed 's|.*/||; s/^/  /' "$list" >&2
+
+if ! wait "$prep_pid"; then
+  cat "$prep_log" >&2
+  log "preparing the guest failed"
+  exit 125
+fi
+cat "$prep_log" >&2
+log "host part done in $(($(date +%s) - t0)) s; booting the guest"
+rc=0
+"$HERE/run-in-guest.sh" --layout all --timeout "${SOFTROCE_SUITE_TIMEOUT:-1500}" -- \
+  "$HERE/guest-suite.sh" "$list" "$target/debug/examples" || rc=$?
+log "finished in $(($(date +%s) - t0)) s with status $rc"
+exit "$rc"
