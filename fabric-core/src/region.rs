@@ -102,7 +102,6 @@ impl Region {
     }
 
     /// Anonymous private memory (backends whose peer never maps it).
-    #[allow(dead_code)] // used by the tcp backend
     pub(crate) fn anonymous(
         id: u32,
         owner: u64,

@@ -1,2 +1,227 @@
-//! Safe, zero-copy wrappers over libibverbs, loaded at run time.
+//! Safe, zero-copy wrappers over libibverbs (InfiniBand / RoCE verbs), loaded at run time.
+//!
+//! * No build-time dependency on rdma-core: `libibverbs.so.1` is opened with `dlopen` on
+//!   first use and its entry points are resolved by versioned symbol. Without it you get
+//!   [`Error::LibraryUnavailable`] (naming the package to install); without a device,
+//!   [`Error::NoDevice`].
+//! * The data path (`post_send`, `post_recv`, `poll_cq`, `req_notify_cq`) calls the
+//!   provider's op table inside the context, exactly like the `static inline` functions of
+//!   `verbs.h`, with no allocation, lock or system call of our own.
+//! * Safe code cannot make the device touch freed or aliased memory (see [DESIGN](#design)).
+//!
+//! # Quick start
+//!
+//! Two RC queue pairs on one device, connected to each other, SEND one message:
+//!
+//! ```no_run
+//! use ibverbs_safe::{Completion, RemoteAccess};
+//! use std::time::Duration;
+//!
+//! # fn main() -> ibverbs_safe::Result<()> {
+//! let ctx = ibverbs_safe::open(None)?;            // first device
+//! let pd = ctx.alloc_pd()?;
+//! let mut cq = ctx.create_cq(64)?;
+//! let a = pd.queue_pair(&cq, &cq).gid_index(1).build_rc()?;
+//! let mut b = pd.queue_pair(&cq, &cq).gid_index(1).build_rc()?;
+//!
+//! // Registered memory owns its buffer; work requests take owned handles to ranges of it.
+//! let mut tx = pd.alloc_region(4096)?;
+//! tx.as_mut_slice()?[..5].copy_from_slice(b"hello");
+//! let mut rx = pd.alloc_region(4096)?;
+//! b.post_recv(rx.slice(..)?, 1).map_err(|e| e.error)?;
+//!
+//! // Exchange endpoints out of band (`Endpoint::to_bytes`/`from_bytes`), then connect.
+//! let (ea, eb) = (a.endpoint(), b.endpoint());
+//! let mut a = a.connect(&eb)?;
+//! let _b = b.connect(&ea)?;
+//!
+//! a.send(tx.slice(..5)?, 2)?;
+//! let mut done = Completion::buffer(2);
+//! cq.poll_exact(&mut done, 2, Duration::from_secs(5))?;
+//! for c in &mut done {
+//!     c.result()?;
+//!     drop(c.take_buf()); // the handle comes back with the completion
+//! }
+//! assert_eq!(&rx.as_slice()?[..5], b"hello");     // no handle is out: we may borrow again
+//!
+//! // A region peers may write is never lent as `&[u8]`/`&mut [u8]`: copy in and out.
+//! let shared = pd.register_remote(vec![0u8; 1 << 20], RemoteAccess::WRITE | RemoteAccess::READ)?;
+//! let descriptor = shared.remote(); // addr + len + rkey, send it to the peer
+//! # let _ = descriptor;
+//! let mut first = [0u8; 16];
+//! shared.read_into(0, &mut first)?;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # DESIGN
+//!
+//! **Layers.** `sys` (private `#[repr(C)]` mirrors of `verbs.h`, checked against the real
+//! header by a layout test) → `result` (one thin `unsafe fn` per verb, and the op-table
+//! data-path calls) → the safe RAII types, one module per object. `unsafe` is denied at the
+//! crate root and allowed only in the modules that wrap FFI objects.
+//!
+//! **Parents outlive children.** Every object holds an `Arc` of its parent: context ← PD ←
+//! MR / QP / SRQ / AH; context ← CQ ← QP; channel ← CQ. Destruction order is therefore
+//! always legal, whatever order you drop things in. `Drop` never panics; failed destroy
+//! calls are counted in [`drop_failures`].
+//!
+//! **Memory regions own their buffer.** [`ProtectionDomain::register`] takes any
+//! [`RegionBuffer`] by value (`Vec<u8>`, `Box<[u8]>`, [`AlignedBuffer`], `memmap2::MmapMut`
+//! for page-aligned, huge-page or file-backed memory). The buffer lives inside the region's
+//! reference-counted registration and is freed only after `ibv_dereg_mr`;
+//! [`MemoryRegion::into_inner`] deregisters and gives it back.
+//!
+//! **Work requests own handles.** Posting takes [`MrSlice`] handles (an `Arc` of the
+//! registration plus a bounds-checked range), never `&[u8]`. The QP keeps them in a
+//! pre-allocated in-flight slot table (one slot per queue entry; the slot's address is the
+//! verbs `wr_id`). Polling the CQ maps the `wr_id` back to the slot and hands the handles
+//! back in the [`Completion`] — success or error, including `WR_FLUSH_ERR` completions after
+//! the QP entered the error state, so every posted buffer comes back. Unsignalled work
+//! requests are retired (their handles dropped) by the next signalled completion of the
+//! same send queue.
+//!
+//! **CPU access.** A [`MemoryRegion<B, Local>`] lends `&[u8]`/`&mut [u8]` only while no handle
+//! exists (`Arc` uniqueness, checked with Acquire ordering); creating a handle needs
+//! `&mut self`, so no borrow can be alive then. A region registered with remote access
+//! ([`MemoryRegion<B, Remote>`]) never lends references: peers may write it at any time.
+//! It offers copying accessors (`read_into`, `write_from`, `read_u64`, done with atomic
+//! loads/stores, never references) and [`MemoryRegion::close_remote_access`], which
+//! re-registers it for local use and deregisters the remote registration (after which no
+//! peer can reach it). Handles, too, only copy.
+//!
+//! **Forgetting is sound.** `mem::forget` of a handle or region leaks memory (it stays
+//! registered); forgetting a QP leaks its in-flight table and so the buffers it holds —
+//! never freed while the device may use them.
+//!
+//! **Dropping a QP with work in flight** moves it to ERR, destroys it (`ibv_destroy_qp`
+//! returns only when the device stopped processing it), then releases the buffers of
+//! every still-posted work request. It deliberately does not poll the CQ, which may be
+//! shared with other QPs whose completions must reach their own owner. If destroy fails,
+//! the buffers are leaked instead of freed.
+//!
+//! **Shared CQs.** Any number of QPs (and SRQs) may report to one CQ. Each CQ keeps the
+//! slot tables of every queue attached to it until the CQ itself is destroyed, so a
+//! completion always finds its slot — even a late flushed completion of a QP already
+//! dropped (that one is recognised by the slot's state and ignored). Polling takes
+//! `&mut CompletionQueue`, so each CQ has one poller; each completion names its QP
+//! ([`Completion::qp_num`]) and queue ([`Completion::queue`]) and carries its own buffers.
+//! Send and receive queues complete in order, so their tables are rings; an SRQ's
+//! completions come in any order on several CQs, so its table is searched and each slot
+//! is claimed with a compare-and-swap.
+//!
+//! **Typestate setup.** [`QpBuilder`] → [`PreparedQp`] (INIT; has the local [`Endpoint`],
+//! may post receives) → [`PreparedQp::connect`] (RC/UC: RTR + RTS from the peer's
+//! endpoint) or [`PreparedQp::activate`] (UD) → [`QueuePair`], the only type with send
+//! methods. [`Endpoint`] has a fixed 36-byte little-endian encoding with typed decode
+//! errors.
+//!
+//! **Raw layer.** [`QueuePair::post_send_raw`]/[`QueuePair::post_recv_raw`] (unsafe, raw
+//! [`raw::ibv_send_wr`] chains with odd `wr_id`s, so the safe poller can tell them apart)
+//! and [`CompletionQueue::poll_raw`] give experts the bare op-table calls.
+//!
+//! Misuse that does not compile:
+//!
+//! ```compile_fail,E0599
+//! // `&mut` access to a region with remote write access:
+//! # fn f(mr: &mut ibverbs_safe::MemoryRegion<Vec<u8>, ibverbs_safe::Remote>) {
+//! let bytes: &mut [u8] = mr.as_mut_slice().unwrap();
+//! # }
+//! ```
+//!
+//! ```compile_fail,E0502
+//! // Borrowing the bytes while a handle for a work request is made from the region:
+//! # fn f(mr: &mut ibverbs_safe::MemoryRegion, qp: &mut ibverbs_safe::QueuePair<ibverbs_safe::Rc>) {
+//! let bytes = mr.as_slice().unwrap();
+//! let h = mr.slice(..).unwrap();
+//! qp.post_recv(h, 0).unwrap();
+//! println!("{}", bytes[0]); // the device may be writing these bytes
+//! # }
+//! ```
+//!
+//! ```compile_fail,E0382
+//! // Using a handle after it was moved into a posted work request:
+//! # fn f(mut mr: ibverbs_safe::MemoryRegion, qp: &mut ibverbs_safe::QueuePair<ibverbs_safe::Rc>) {
+//! let h = mr.slice(..).unwrap();
+//! qp.post_recv(h, 0).unwrap();
+//! h.write_from(0, b"x").unwrap();
+//! # }
+//! ```
+//!
+//! ```compile_fail,E0599
+//! // Posting a send on a QP that is not connected yet:
+//! # fn f(qp: &mut ibverbs_safe::PreparedQp<ibverbs_safe::Rc>, h: ibverbs_safe::MrSlice) {
+//! qp.send(h, 0);
+//! # }
+//! ```
 #![deny(unsafe_code)]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs)]
+// Failed posts hand the caller's buffers back inside the error (BufResult style, no
+// allocation); that makes some `Err` variants large by design.
+#![allow(clippy::result_large_err)]
+
+mod ah;
+mod buffer;
+mod context;
+mod cq;
+mod device;
+mod error;
+mod gid;
+mod inflight;
+mod loader;
+mod mr;
+mod pd;
+mod port;
+mod qp;
+mod result;
+mod srq;
+mod sys;
+
+pub use ah::{AddressHandle, AhAttr, GlobalRoute};
+pub use buffer::{huge_pages, page_aligned, AlignedBuffer, RegionBuffer};
+pub use context::{Context, DeviceAttr};
+pub use cq::{Completion, CompletionChannel, CompletionQueue, CqEvent, WcOpcode};
+pub use device::{devices, open, DeviceInfo};
+pub use error::{Error, Result, WcStatus};
+pub use gid::{Gid, GidEntry, GidType};
+pub use inflight::{QueueKind, SgList, MAX_SGE};
+pub use loader::library_available;
+pub use mr::{AccessMode, Local, MemoryRegion, MrSlice, Remote, RemoteAccess, RemoteMemory};
+pub use pd::ProtectionDomain;
+pub use port::{LinkLayer, Mtu, PortAttr, PortState};
+pub use qp::{
+    Connected, Endpoint, EndpointDecodeError, PostError, PreparedQp, QpBuilder, QpState, QueuePair,
+    Rc, SendBatch, SendRequest, Transport, Uc, Ud, UdDest, MAX_BATCH,
+};
+pub use result::drop_failures;
+
+/// The raw `verbs.h` types for the expert layer ([`QueuePair::post_send_raw`],
+/// [`QueuePair::post_recv_raw`], [`CompletionQueue::poll_raw`]).
+pub mod raw {
+    pub use crate::sys::{
+        ibv_qp, ibv_recv_wr, ibv_send_wr, ibv_send_wr_atomic, ibv_send_wr_rdma, ibv_send_wr_ud,
+        ibv_send_wr_wr, ibv_sge, ibv_wc, IBV_SEND_FENCE, IBV_SEND_INLINE, IBV_SEND_SIGNALED,
+        IBV_SEND_SOLICITED, IBV_WR_ATOMIC_CMP_AND_SWP, IBV_WR_ATOMIC_FETCH_AND_ADD,
+        IBV_WR_RDMA_READ, IBV_WR_RDMA_WRITE, IBV_WR_RDMA_WRITE_WITH_IMM, IBV_WR_SEND,
+        IBV_WR_SEND_WITH_IMM,
+    };
+
+    /// A zeroed `ibv_send_wr` to fill in.
+    pub fn send_wr() -> ibv_send_wr {
+        ibv_send_wr {
+            wr_id: 1,
+            next: std::ptr::null_mut(),
+            sg_list: std::ptr::null_mut(),
+            num_sge: 0,
+            opcode: 0,
+            send_flags: 0,
+            imm_data: 0,
+            wr: ibv_send_wr_wr {
+                atomic: ibv_send_wr_atomic::default(),
+            },
+            qp_type_xrc_remote_srqn: 0,
+            _bind_mw_tso: [0; 6],
+        }
+    }
+}

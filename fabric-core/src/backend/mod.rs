@@ -18,11 +18,11 @@ use crate::transport::{
 };
 
 pub mod shm;
-// pub mod tcp;
+pub mod tcp;
 
 /// Every backend this build knows, in automatic-selection preference order.
 /// (A new backend adds its `ENTRY` here.)
-pub static BACKENDS: &[&BackendEntry] = &[&shm::ENTRY];
+pub static BACKENDS: &[&BackendEntry] = &[&shm::ENTRY, &tcp::ENTRY];
 
 /// How a backend is found, probed and started.
 pub struct BackendEntry {

@@ -1,0 +1,543 @@
+//! Completion queues, completions and completion channels.
+#![allow(unsafe_code)]
+
+use crate::context::Context;
+use crate::error::{last_os_error, rc_error, Error, Result, WcStatus};
+use crate::inflight::{QueueKind, SgList, WorkQueue};
+use crate::mr::MrSlice;
+use crate::result::{ops, record_drop_failure};
+use crate::sys::{self, ibv_comp_channel, ibv_cq, ibv_wc};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+pub(crate) struct ChannelInner {
+    ctx: Context,
+    ch: *mut ibv_comp_channel,
+}
+
+// SAFETY: completion channels are thread-safe verbs objects.
+unsafe impl Send for ChannelInner {}
+// SAFETY: as above.
+unsafe impl Sync for ChannelInner {}
+
+impl Drop for ChannelInner {
+    fn drop(&mut self) {
+        // SAFETY: every CQ using the channel holds an Arc to it, so none is alive.
+        let rc = unsafe { (self.ctx.inner.v.destroy_comp_channel)(self.ch) };
+        if rc != 0 {
+            record_drop_failure("ibv_destroy_comp_channel", rc);
+        }
+    }
+}
+
+/// A completion channel: its file descriptor becomes readable when a CQ attached to it and
+/// armed with [`CompletionQueue::req_notify`] receives a completion. Wait on it with
+/// [`wait`](Self::wait), or add [`as_raw_fd`](AsRawFd::as_raw_fd) to your own poll/epoll set
+/// and call [`get_event`](Self::get_event) when it is readable.
+#[derive(Clone)]
+pub struct CompletionChannel {
+    inner: Arc<ChannelInner>,
+}
+
+impl std::fmt::Debug for CompletionChannel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CompletionChannel")
+            .field("fd", &self.as_raw_fd())
+            .finish()
+    }
+}
+
+/// A completion event: which CQ has new completions (compare with [`CompletionQueue::id`]).
+/// The CQ must be re-armed with [`CompletionQueue::req_notify`] for the next event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CqEvent {
+    /// The CQ's id.
+    pub cq_id: u64,
+}
+
+impl CompletionChannel {
+    pub(crate) fn new(ctx: &Context) -> Result<Self> {
+        // SAFETY: the context is live.
+        let ch = unsafe { (ctx.inner.v.create_comp_channel)(ctx.inner.ctx) };
+        if ch.is_null() {
+            return Err(Error::CreateCompChannel(last_os_error()));
+        }
+        Ok(CompletionChannel {
+            inner: Arc::new(ChannelInner {
+                ctx: ctx.clone(),
+                ch,
+            }),
+        })
+    }
+
+    fn fd(&self) -> RawFd {
+        // SAFETY: the channel is live for as long as `self`.
+        unsafe { (*self.inner.ch).fd }
+    }
+
+    /// Switches the fd between blocking (default) and non-blocking mode.
+    ///
+    /// # Errors
+    /// [`Error::CqEvent`] if `fcntl` fails.
+    pub fn set_nonblocking(&self, nonblocking: bool) -> Result<()> {
+        let fd = self.fd();
+        // SAFETY: `fd` is the channel's open descriptor; F_GETFL/F_SETFL have no memory effects.
+        unsafe {
+            let fl = libc::fcntl(fd, libc::F_GETFL);
+            if fl < 0 {
+                return Err(Error::CqEvent(last_os_error()));
+            }
+            let fl = if nonblocking {
+                fl | libc::O_NONBLOCK
+            } else {
+                fl & !libc::O_NONBLOCK
+            };
+            if libc::fcntl(fd, libc::F_SETFL, fl) < 0 {
+                return Err(Error::CqEvent(last_os_error()));
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads one event (blocks unless the fd is non-blocking) and acknowledges it.
+    ///
+    /// # Errors
+    /// [`Error::CqEvent`] (`EAGAIN` when non-blocking and no event is pending).
+    pub fn get_event(&self) -> Result<CqEvent> {
+        let mut cq: *mut ibv_cq = std::ptr::null_mut();
+        let mut ctx: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: the channel is live and both out-pointers are valid.
+        let rc = unsafe { (self.inner.ctx.inner.v.get_cq_event)(self.inner.ch, &mut cq, &mut ctx) };
+        if rc != 0 {
+            return Err(Error::CqEvent(last_os_error()));
+        }
+        // SAFETY: `cq` was just returned by ibv_get_cq_event; ibv_destroy_cq waits until its
+        // events are acknowledged, so it is still alive here. We acknowledge right away.
+        unsafe { (self.inner.ctx.inner.v.ack_cq_events)(cq, 1) };
+        Ok(CqEvent { cq_id: cq as u64 })
+    }
+
+    /// Waits up to `timeout` (forever with `None`) for an event.
+    ///
+    /// # Errors
+    /// [`Error::CqEvent`] if `poll` or reading the event fails.
+    pub fn wait(&self, timeout: Option<Duration>) -> Result<Option<CqEvent>> {
+        let mut pfd = libc::pollfd {
+            fd: self.fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = timeout.map_or(-1, |t| t.as_millis().min(i32::MAX as u128) as i32);
+        loop {
+            // SAFETY: `pfd` is a valid pollfd array of length 1.
+            let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+            if n < 0 {
+                let e = last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(Error::CqEvent(e));
+            }
+            if n == 0 {
+                return Ok(None);
+            }
+            return self.get_event().map(Some);
+        }
+    }
+}
+
+impl AsRawFd for CompletionChannel {
+    fn as_raw_fd(&self) -> RawFd {
+        self.fd()
+    }
+}
+
+impl AsFd for CompletionChannel {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        // SAFETY: the fd stays open for as long as the channel (and so `self`) lives.
+        unsafe { BorrowedFd::borrow_raw(self.fd()) }
+    }
+}
+
+pub(crate) struct CqInner {
+    pub(crate) ctx: Context,
+    pub(crate) cq: *mut ibv_cq,
+    _channel: Option<Arc<ChannelInner>>,
+    /// Slot tables of every work queue that reports to this CQ. Kept until the CQ is
+    /// destroyed, so a completion's `wr_id` always points at live memory (even a late,
+    /// flushed completion of a QP that is already gone).
+    attached: Mutex<Vec<Arc<WorkQueue>>>,
+}
+
+// SAFETY: CQs are thread-safe verbs objects; `attached` is behind a Mutex.
+unsafe impl Send for CqInner {}
+// SAFETY: as above.
+unsafe impl Sync for CqInner {}
+
+impl CqInner {
+    pub(crate) fn attach(&self, wq: &Arc<WorkQueue>) {
+        let mut v = self.attached.lock().unwrap_or_else(|e| e.into_inner());
+        if !v.iter().any(|q| Arc::ptr_eq(q, wq)) {
+            v.push(wq.clone());
+        }
+    }
+}
+
+impl Drop for CqInner {
+    fn drop(&mut self) {
+        // SAFETY: every QP using this CQ holds an Arc to it, so all are destroyed; `cq` came
+        // from ibv_create_cq and is destroyed exactly once.
+        let rc = unsafe { (self.ctx.inner.v.destroy_cq)(self.cq) };
+        if rc != 0 {
+            record_drop_failure("ibv_destroy_cq", rc);
+        }
+    }
+}
+
+/// A completion queue. Polling needs `&mut self`: one poller per CQ, which is what lets the
+/// completion hand posted buffers back without locks. Several QPs may share a CQ; each
+/// [`Completion`] says which QP and queue it came from and carries that work request's
+/// buffers.
+pub struct CompletionQueue {
+    pub(crate) inner: Arc<CqInner>,
+}
+
+impl std::fmt::Debug for CompletionQueue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CompletionQueue")
+            .field("id", &self.id())
+            .field("capacity", &self.capacity())
+            .finish()
+    }
+}
+
+/// Opcode of a completion (`enum ibv_wc_opcode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum WcOpcode {
+    /// SEND (with or without immediate).
+    Send,
+    /// RDMA WRITE (with or without immediate).
+    RdmaWrite,
+    /// RDMA READ.
+    RdmaRead,
+    /// Atomic compare-and-swap.
+    CompareSwap,
+    /// Atomic fetch-and-add.
+    FetchAdd,
+    /// A receive consumed by a SEND.
+    Recv,
+    /// A receive consumed by an RDMA WRITE with immediate.
+    RecvRdmaWithImm,
+    /// Anything else.
+    Other(u32),
+}
+
+impl WcOpcode {
+    fn from_raw(v: u32) -> Self {
+        match v {
+            sys::IBV_WC_SEND => WcOpcode::Send,
+            sys::IBV_WC_RDMA_WRITE => WcOpcode::RdmaWrite,
+            sys::IBV_WC_RDMA_READ => WcOpcode::RdmaRead,
+            sys::IBV_WC_COMP_SWAP => WcOpcode::CompareSwap,
+            sys::IBV_WC_FETCH_ADD => WcOpcode::FetchAdd,
+            sys::IBV_WC_RECV => WcOpcode::Recv,
+            sys::IBV_WC_RECV_RDMA_WITH_IMM => WcOpcode::RecvRdmaWithImm,
+            o => WcOpcode::Other(o),
+        }
+    }
+}
+
+/// One work completion, with the buffers of its work request handed back.
+#[derive(Debug)]
+pub struct Completion {
+    wr_id: u64,
+    status: WcStatus,
+    opcode: WcOpcode,
+    vendor_err: u32,
+    byte_len: u32,
+    imm: Option<u32>,
+    qp_num: u32,
+    src_qp: u32,
+    grh: bool,
+    slid: u16,
+    queue: Option<QueueKind>,
+    bufs: SgList,
+}
+
+impl Default for Completion {
+    fn default() -> Self {
+        Completion {
+            wr_id: 0,
+            status: WcStatus::Success,
+            opcode: WcOpcode::Other(u32::MAX),
+            vendor_err: 0,
+            byte_len: 0,
+            imm: None,
+            qp_num: 0,
+            src_qp: 0,
+            grh: false,
+            slid: 0,
+            queue: None,
+            bufs: SgList::new(),
+        }
+    }
+}
+
+impl Completion {
+    /// `n` empty completions: a reusable buffer for [`CompletionQueue::poll`].
+    pub fn buffer(n: usize) -> Vec<Completion> {
+        (0..n).map(|_| Completion::default()).collect()
+    }
+
+    /// Your id of the work request (given when posting).
+    pub fn wr_id(&self) -> u64 {
+        self.wr_id
+    }
+    /// The status.
+    pub fn status(&self) -> WcStatus {
+        self.status
+    }
+    /// Whether the status is success.
+    pub fn is_ok(&self) -> bool {
+        self.status.is_success()
+    }
+    /// `Ok(())` on success, else [`Error::Completion`] with the status.
+    ///
+    /// # Errors
+    /// [`Error::Completion`].
+    pub fn result(&self) -> Result<()> {
+        if self.is_ok() {
+            Ok(())
+        } else {
+            Err(Error::Completion(self.status))
+        }
+    }
+    /// The opcode (only meaningful on success for send-side completions).
+    pub fn opcode(&self) -> WcOpcode {
+        self.opcode
+    }
+    /// Vendor error syndrome.
+    pub fn vendor_err(&self) -> u32 {
+        self.vendor_err
+    }
+    /// Bytes received (receives, READ and atomics).
+    pub fn byte_len(&self) -> u32 {
+        self.byte_len
+    }
+    /// Immediate data (host byte order), if the message carried one.
+    pub fn imm(&self) -> Option<u32> {
+        self.imm
+    }
+    /// The local QP number the completion belongs to.
+    pub fn qp_num(&self) -> u32 {
+        self.qp_num
+    }
+    /// Source QP number (UD receives).
+    pub fn src_qp(&self) -> u32 {
+        self.src_qp
+    }
+    /// Whether a UD receive carries a GRH (in the first 40 bytes of the buffer).
+    pub fn has_grh(&self) -> bool {
+        self.grh
+    }
+    /// Source LID (UD receives).
+    pub fn slid(&self) -> u16 {
+        self.slid
+    }
+    /// Which queue it came from (`None` for work requests posted through the raw layer).
+    pub fn queue(&self) -> Option<QueueKind> {
+        self.queue
+    }
+    /// The buffers of the work request.
+    pub fn bufs(&self) -> &SgList {
+        &self.bufs
+    }
+    /// Takes the buffers out.
+    pub fn take_bufs(&mut self) -> SgList {
+        self.bufs.take()
+    }
+    /// Takes the first buffer out (the usual single-buffer case).
+    pub fn take_buf(&mut self) -> Option<MrSlice> {
+        self.bufs.take().into_first()
+    }
+
+    #[inline]
+    fn fill(&mut self, wc: &ibv_wc) {
+        if wc.wr_id & 1 == 0 {
+            // SAFETY: even wr_ids on queues created by this crate are slot addresses from
+            // `WorkQueue::fill` (the raw layer only accepts odd ids); the slot's queue is
+            // kept alive by the CQ's `attached` list; `&mut CompletionQueue` makes us the
+            // single poller.
+            match unsafe { WorkQueue::complete(wc.wr_id) } {
+                Some((d, kind)) => {
+                    self.wr_id = d.user;
+                    self.bufs = d.bufs;
+                    self.queue = Some(kind);
+                }
+                None => {
+                    self.wr_id = 0;
+                    self.bufs = SgList::new();
+                    self.queue = None;
+                }
+            }
+        } else {
+            self.wr_id = wc.wr_id;
+            self.bufs = SgList::new();
+            self.queue = None;
+        }
+        self.status = WcStatus::from_raw(wc.status);
+        self.opcode = WcOpcode::from_raw(wc.opcode);
+        self.vendor_err = wc.vendor_err;
+        self.byte_len = wc.byte_len;
+        self.imm = (wc.wc_flags & sys::IBV_WC_WITH_IMM != 0).then(|| u32::from_be(wc.imm_data));
+        self.qp_num = wc.qp_num;
+        self.src_qp = wc.src_qp;
+        self.grh = wc.wc_flags & sys::IBV_WC_GRH != 0;
+        self.slid = wc.slid;
+    }
+}
+
+impl CompletionQueue {
+    pub(crate) fn new(
+        ctx: &Context,
+        cqe: u32,
+        channel: Option<&CompletionChannel>,
+    ) -> Result<Self> {
+        let ch = channel.map_or(std::ptr::null_mut(), |c| c.inner.ch);
+        let n = cqe.clamp(1, i32::MAX as u32);
+        // SAFETY: the context (and channel, if any) are live.
+        let cq = unsafe {
+            (ctx.inner.v.create_cq)(ctx.inner.ctx, n as i32, std::ptr::null_mut(), ch, 0)
+        };
+        if cq.is_null() {
+            return Err(Error::CreateCq {
+                cqe,
+                source: last_os_error(),
+            });
+        }
+        Ok(CompletionQueue {
+            inner: Arc::new(CqInner {
+                ctx: ctx.clone(),
+                cq,
+                _channel: channel.map(|c| c.inner.clone()),
+                attached: Mutex::new(Vec::new()),
+            }),
+        })
+    }
+
+    /// An id that [`CqEvent::cq_id`] reports for this CQ.
+    pub fn id(&self) -> u64 {
+        self.inner.cq as u64
+    }
+
+    /// Number of entries the CQ really has (may exceed what was asked for).
+    pub fn capacity(&self) -> u32 {
+        // SAFETY: the CQ is live.
+        unsafe { (*self.inner.cq).cqe.max(0) as u32 }
+    }
+
+    /// Polls up to `out.len()` completions into `out`, returning how many were written.
+    /// Buffers left in `out` entries from an earlier poll are dropped when overwritten.
+    ///
+    /// # Errors
+    /// [`Error::PollCq`] if the provider reports an error.
+    #[inline]
+    pub fn poll(&mut self, out: &mut [Completion]) -> Result<usize> {
+        const CHUNK: usize = 16;
+        let mut wcs = [MaybeUninit::<ibv_wc>::uninit(); CHUNK];
+        let mut done = 0;
+        while done < out.len() {
+            let want = (out.len() - done).min(CHUNK);
+            // SAFETY: the CQ is live and `wcs` has room for `want` entries.
+            let n = unsafe { ops::poll_cq(self.inner.cq, want as i32, wcs.as_mut_ptr().cast()) };
+            if n < 0 {
+                return Err(Error::PollCq(rc_error(n)));
+            }
+            let n = n as usize;
+            for (i, wc) in wcs[..n].iter().enumerate() {
+                // SAFETY: the provider initialised the first `n` entries.
+                out[done + i].fill(unsafe { wc.assume_init_ref() });
+            }
+            done += n;
+            if n < want {
+                break;
+            }
+        }
+        Ok(done)
+    }
+
+    /// Busy-polls until at least one completion arrived (then returns what [`poll`](Self::poll)
+    /// returned) or `timeout` passed.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`], [`Error::PollCq`].
+    pub fn poll_blocking(&mut self, out: &mut [Completion], timeout: Duration) -> Result<usize> {
+        let start = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            let n = self.poll(out)?;
+            if n > 0 || out.is_empty() {
+                return Ok(n);
+            }
+            spins += 1;
+            if spins % 1024 == 0 {
+                if start.elapsed() >= timeout {
+                    return Err(Error::Timeout(timeout));
+                }
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    /// Polls until exactly `n` completions were collected into `out[..n]` or `timeout` passed.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`], [`Error::PollCq`], [`Error::InvalidArgument`] when `out` is too small.
+    pub fn poll_exact(
+        &mut self,
+        out: &mut [Completion],
+        n: usize,
+        timeout: Duration,
+    ) -> Result<()> {
+        if out.len() < n {
+            return Err(Error::InvalidArgument(format!(
+                "poll_exact: {n} completions do not fit in {}",
+                out.len()
+            )));
+        }
+        let start = Instant::now();
+        let mut got = 0;
+        while got < n {
+            let left = timeout.saturating_sub(start.elapsed());
+            if left.is_zero() {
+                return Err(Error::Timeout(timeout));
+            }
+            got += self.poll_blocking(&mut out[got..n], left)?;
+        }
+        Ok(())
+    }
+
+    /// Arms the CQ: the next completion (or next solicited one) triggers an event on its
+    /// completion channel.
+    ///
+    /// # Errors
+    /// [`Error::ReqNotifyCq`].
+    pub fn req_notify(&self, solicited_only: bool) -> Result<()> {
+        // SAFETY: the CQ is live.
+        let rc = unsafe { ops::req_notify_cq(self.inner.cq, solicited_only) };
+        if rc != 0 {
+            return Err(Error::ReqNotifyCq(rc_error(rc)));
+        }
+        Ok(())
+    }
+
+    /// The context the CQ belongs to.
+    pub fn context(&self) -> &Context {
+        &self.inner.ctx
+    }
+}

@@ -1,0 +1,352 @@
+//! Pre-allocated in-flight slot tables: where posted buffers live until their completion.
+//!
+//! Every work queue (a QP's send queue, a QP's receive queue, an SRQ) has one table with as
+//! many slots as the queue is deep. Posting puts the work request's buffers into a free slot
+//! and uses the slot's address as the verbs `wr_id`; polling a CQ turns the `wr_id` back into
+//! the slot and takes the buffers out. No allocation, lock or system call on either path:
+//! one atomic state per slot, written with Release and read with Acquire.
+//!
+//! Send and receive queues of a QP complete in posting order, so their tables are rings: the
+//! completion of slot `p` also retires every earlier (unsignalled) slot. SRQ receives
+//! complete in any order, so an SRQ's table is searched for a free slot instead.
+#![allow(unsafe_code)]
+
+use crate::ah::AddressHandle;
+use crate::mr::MrSlice;
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+/// The most scatter/gather elements one safe work request can carry (use the raw layer for
+/// more).
+pub const MAX_SGE: usize = 4;
+
+/// The buffers of one work request: up to [`MAX_SGE`] [`MrSlice`] handles.
+#[derive(Clone, Default)]
+pub struct SgList {
+    items: [Option<MrSlice>; MAX_SGE],
+    len: u8,
+}
+
+impl std::fmt::Debug for SgList {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
+impl SgList {
+    /// An empty list (a zero-length message).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Appends a buffer; gives it back when the list is full.
+    ///
+    /// # Errors
+    /// The slice itself, when [`MAX_SGE`] buffers are already in the list.
+    pub fn push(&mut self, s: MrSlice) -> Result<(), MrSlice> {
+        if self.len as usize == MAX_SGE {
+            return Err(s);
+        }
+        self.items[self.len as usize] = Some(s);
+        self.len += 1;
+        Ok(())
+    }
+
+    /// Number of buffers.
+    pub fn len(&self) -> usize {
+        self.len as usize
+    }
+
+    /// Whether there is no buffer.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Total bytes.
+    pub fn total_len(&self) -> u64 {
+        self.iter().map(|s| s.len() as u64).sum()
+    }
+
+    /// The buffers.
+    pub fn iter(&self) -> impl Iterator<Item = &MrSlice> {
+        self.items[..self.len as usize].iter().flatten()
+    }
+
+    /// The first buffer.
+    pub fn first(&self) -> Option<&MrSlice> {
+        self.items[0].as_ref()
+    }
+
+    /// Takes the first buffer, dropping the others.
+    pub fn into_first(mut self) -> Option<MrSlice> {
+        self.items[0].take()
+    }
+
+    /// Removes and returns every buffer, leaving the list empty.
+    pub fn take(&mut self) -> SgList {
+        std::mem::take(self)
+    }
+}
+
+impl IntoIterator for SgList {
+    type Item = MrSlice;
+    type IntoIter = std::iter::Flatten<std::array::IntoIter<Option<MrSlice>, MAX_SGE>>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.items.into_iter().flatten()
+    }
+}
+
+impl From<MrSlice> for SgList {
+    fn from(s: MrSlice) -> Self {
+        let mut l = SgList::new();
+        l.items[0] = Some(s);
+        l.len = 1;
+        l
+    }
+}
+
+macro_rules! sglist_from_array {
+    ($($n:literal),*) => {$(
+        impl From<[MrSlice; $n]> for SgList {
+            fn from(a: [MrSlice; $n]) -> Self {
+                let mut l = SgList::new();
+                for s in a {
+                    let _ = l.push(s);
+                }
+                l
+            }
+        }
+    )*};
+}
+sglist_from_array!(1, 2, 3, 4);
+
+/// What one slot holds while its work request is in flight.
+pub(crate) struct SlotData {
+    pub(crate) bufs: SgList,
+    pub(crate) user: u64,
+    /// UD sends keep their address handle alive until completion.
+    pub(crate) _ah: Option<AddressHandle>,
+}
+
+const FREE: u8 = 0;
+const POSTED: u8 = 1;
+const BUSY: u8 = 2;
+
+pub(crate) struct Slot {
+    state: AtomicU8,
+    index: u32,
+    queue: *const WorkQueue,
+    data: UnsafeCell<Option<SlotData>>,
+}
+
+/// Which queue a completion came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum QueueKind {
+    /// A QP's send queue.
+    Send,
+    /// A QP's receive queue.
+    Recv,
+    /// A shared receive queue.
+    Srq,
+}
+
+pub(crate) struct WorkQueue {
+    slots: Box<[Slot]>,
+    ordered: bool,
+    /// Next slot a completion is expected for (ordered queues; touched only by the single
+    /// poller of this queue's CQ).
+    tail: AtomicUsize,
+    dead: AtomicBool,
+    pub(crate) kind: QueueKind,
+}
+
+// SAFETY: slot data is handed between the poster and the completer through the per-slot
+// atomic state (FREE -> POSTED by the poster, POSTED -> BUSY -> FREE by whoever completes or
+// releases it); `queue` points at the Arc-owned WorkQueue that contains the slot.
+unsafe impl Send for WorkQueue {}
+// SAFETY: as above.
+unsafe impl Sync for WorkQueue {}
+
+impl WorkQueue {
+    pub(crate) fn new(depth: usize, ordered: bool, kind: QueueKind) -> Arc<WorkQueue> {
+        let depth = depth.max(1);
+        Arc::new_cyclic(|w| {
+            let q = w.as_ptr();
+            WorkQueue {
+                slots: (0..depth)
+                    .map(|i| Slot {
+                        state: AtomicU8::new(FREE),
+                        index: i as u32,
+                        queue: q,
+                        data: UnsafeCell::new(None),
+                    })
+                    .collect(),
+                ordered,
+                tail: AtomicUsize::new(0),
+                dead: AtomicBool::new(false),
+                kind,
+            }
+        })
+    }
+
+    pub(crate) fn depth(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Finds a free slot at or after `*cursor` (rings look only at `*cursor`), fills it with
+    /// `data`, marks it posted and returns its `wr_id`. The caller advances the cursor with
+    /// [`advance`](Self::advance) once the post succeeded.
+    ///
+    /// Must only be called by the queue's single producer (the `&mut` owner of the QP/SRQ).
+    #[inline]
+    #[allow(clippy::result_large_err)] // hands the caller's data back; no allocation
+    pub(crate) fn fill(&self, cursor: &mut usize, data: SlotData) -> Result<u64, SlotData> {
+        let n = self.slots.len();
+        let tries = if self.ordered { 1 } else { n };
+        for k in 0..tries {
+            let i = (*cursor + k) % n;
+            let slot = &self.slots[i];
+            if slot.state.load(Ordering::Acquire) == FREE {
+                // SAFETY: FREE slots are owned by the single producer (us); the Acquire load
+                // synchronises with the completer's Release store of FREE.
+                unsafe { *slot.data.get() = Some(data) };
+                slot.state.store(POSTED, Ordering::Release);
+                *cursor = i;
+                return Ok(slot as *const Slot as u64);
+            }
+        }
+        Err(data)
+    }
+
+    #[inline]
+    pub(crate) fn advance(&self, cursor: &mut usize) {
+        *cursor = (*cursor + 1) % self.slots.len();
+    }
+
+    /// Takes back a slot whose work request was never accepted by the provider.
+    pub(crate) fn unfill(&self, wr_id: u64) -> Option<SlotData> {
+        // SAFETY: `wr_id` was returned by `fill` on this queue just now.
+        let slot = unsafe { &*(wr_id as *const Slot) };
+        Self::take(slot)
+    }
+
+    fn take(slot: &Slot) -> Option<SlotData> {
+        if slot
+            .state
+            .compare_exchange(POSTED, BUSY, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            return None;
+        }
+        // SAFETY: the successful CAS made us the slot's only user until we store FREE.
+        let d = unsafe { (*slot.data.get()).take() };
+        slot.state.store(FREE, Ordering::Release);
+        d
+    }
+
+    /// Retires the slot named by a completion's `wr_id` (and, for rings, the unsignalled
+    /// slots before it) and returns its data.
+    ///
+    /// # Safety
+    /// `wr_id` must be a value returned by [`fill`](Self::fill) on a queue that is still
+    /// allocated (CQs keep the queues attached to them alive), and for ordered queues this
+    /// must only be called by the single poller of that queue's CQ.
+    #[inline]
+    pub(crate) unsafe fn complete(wr_id: u64) -> Option<(SlotData, QueueKind)> {
+        // SAFETY: contract: the slot and its queue are alive.
+        let slot = unsafe { &*(wr_id as *const Slot) };
+        // SAFETY: `queue` points at the WorkQueue owning this slot (set at construction).
+        let q = unsafe { &*slot.queue };
+        let d = Self::take(slot)?;
+        if q.ordered {
+            let n = q.slots.len();
+            let mut i = q.tail.load(Ordering::Relaxed);
+            let end = slot.index as usize;
+            while i != end {
+                // Earlier unsignalled work requests are complete too: release their buffers.
+                drop(Self::take(&q.slots[i]));
+                i = (i + 1) % n;
+            }
+            q.tail.store((end + 1) % n, Ordering::Relaxed);
+        }
+        Some((d, q.kind))
+    }
+
+    /// Releases every in-flight slot (after the QP/SRQ was destroyed: the device no longer
+    /// touches the buffers) and marks the queue dead so late completions are ignored.
+    pub(crate) fn release_all(&self) -> usize {
+        self.dead.store(true, Ordering::Release);
+        self.slots.iter().filter_map(Self::take).count()
+    }
+
+    /// Number of slots currently posted.
+    pub(crate) fn in_flight(&self) -> usize {
+        self.slots
+            .iter()
+            .filter(|s| s.state.load(Ordering::Acquire) != FREE)
+            .count()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(user: u64) -> SlotData {
+        SlotData {
+            bufs: SgList::new(),
+            user,
+            _ah: None,
+        }
+    }
+
+    #[test]
+    fn ring_fills_in_order_and_sweeps_unsignalled() {
+        let q = WorkQueue::new(4, true, QueueKind::Send);
+        let mut head = 0;
+        let mut ids = vec![];
+        for u in 0..4 {
+            let id = q.fill(&mut head, data(u)).ok().unwrap();
+            q.advance(&mut head);
+            ids.push(id);
+        }
+        assert_eq!(q.in_flight(), 4);
+        assert!(q.fill(&mut head, data(9)).is_err(), "full ring rejects");
+        // Completion of slot 2 retires 0, 1 (unsignalled) and 2.
+        // SAFETY: ids come from `fill` on the live queue; single poller.
+        let (d, k) = unsafe { WorkQueue::complete(ids[2]) }.unwrap();
+        assert_eq!(k, QueueKind::Send);
+        assert_eq!(d.user, 2);
+        assert_eq!(q.in_flight(), 1);
+        // A duplicate/stale completion is ignored.
+        // SAFETY: as above.
+        assert!(unsafe { WorkQueue::complete(ids[2]) }.is_none());
+        // Slot 0 is free again.
+        assert!(q.fill(&mut head, data(4)).is_ok());
+        q.advance(&mut head);
+        // SAFETY: as above.
+        assert_eq!(unsafe { WorkQueue::complete(ids[3]) }.unwrap().0.user, 3);
+        assert_eq!(q.release_all(), 1);
+        assert_eq!(q.in_flight(), 0);
+    }
+
+    #[test]
+    fn unordered_table_finds_free_slots() {
+        let q = WorkQueue::new(3, false, QueueKind::Srq);
+        let mut cur = 0;
+        let a = q.fill(&mut cur, data(1)).ok().unwrap();
+        q.advance(&mut cur);
+        let b = q.fill(&mut cur, data(2)).ok().unwrap();
+        q.advance(&mut cur);
+        let _c = q.fill(&mut cur, data(3)).ok().unwrap();
+        q.advance(&mut cur);
+        assert!(q.fill(&mut cur, data(4)).is_err());
+        // SAFETY: ids from `fill` on the live queue.
+        assert_eq!(unsafe { WorkQueue::complete(b) }.unwrap().0.user, 2);
+        assert_eq!(q.in_flight(), 2, "no sweep on unordered tables");
+        let d = q.fill(&mut cur, data(5)).ok().unwrap();
+        assert_eq!(d, b, "the freed slot is reused");
+        assert_eq!(q.unfill(a).unwrap().user, 1);
+    }
+}

@@ -1,0 +1,788 @@
+//! Memory regions that own their buffer, and owned handles to ranges of them.
+//!
+//! See the crate-level `DESIGN` section for the ownership rules these types enforce.
+#![allow(unsafe_code)]
+
+use crate::buffer::{AlignedBuffer, RegionBuffer};
+use crate::error::{last_os_error, Error, Result};
+use crate::pd::ProtectionDomain;
+use crate::result::record_drop_failure;
+use crate::sys::{self, ibv_mr};
+use std::cell::UnsafeCell;
+use std::marker::PhantomData;
+use std::ops::{Bound, RangeBounds};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::Arc;
+
+bitflags::bitflags! {
+    /// Remote access rights of a region (`IBV_ACCESS_REMOTE_*`). Local write access is
+    /// always granted (receives, READ results and atomics write local memory).
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+    pub struct RemoteAccess: u32 {
+        /// Peers may RDMA WRITE into the region.
+        const WRITE = sys::IBV_ACCESS_REMOTE_WRITE as u32;
+        /// Peers may RDMA READ from the region.
+        const READ = sys::IBV_ACCESS_REMOTE_READ as u32;
+        /// Peers may run atomics on the region.
+        const ATOMIC = sys::IBV_ACCESS_REMOTE_ATOMIC as u32;
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// Typestate of a region's remote access: [`Local`] or [`Remote`].
+pub trait AccessMode: sealed::Sealed + Send + Sync + 'static {
+    /// Whether this mode has remote access open.
+    const IS_REMOTE: bool;
+}
+
+/// No remote access: the CPU may borrow the bytes when no work request holds them.
+#[derive(Debug)]
+pub enum Local {}
+/// Remote access open: peers may read/write at any time, so the CPU only copies in and out.
+#[derive(Debug)]
+pub enum Remote {}
+impl sealed::Sealed for Local {}
+impl sealed::Sealed for Remote {}
+impl AccessMode for Local {
+    const IS_REMOTE: bool = false;
+}
+impl AccessMode for Remote {
+    const IS_REMOTE: bool = true;
+}
+
+/// Keeps a registration (and its buffer) alive; type-erased so handles need not know `B`.
+trait RegionOwner: Send + Sync {}
+
+struct MrInner<B> {
+    pd: ProtectionDomain,
+    mr: *mut ibv_mr,
+    addr: *mut u8,
+    len: usize,
+    lkey: u32,
+    rkey: u32,
+    access: u32,
+    buf: UnsafeCell<Option<B>>,
+}
+
+// SAFETY: `buf` is only touched through `&mut`/unique ownership (`into_inner`) or through
+// raw pointers with the rules of the DESIGN section; the verbs pointer is thread-safe.
+unsafe impl<B: Send> Send for MrInner<B> {}
+// SAFETY: as above: shared access never creates references to `B` or its bytes except via
+// `MemoryRegion<_, Local>` methods that prove exclusivity.
+unsafe impl<B: Send> Sync for MrInner<B> {}
+impl<B: Send> RegionOwner for MrInner<B> {}
+
+impl<B> MrInner<B> {
+    fn dereg(&mut self) {
+        if !self.mr.is_null() {
+            // SAFETY: `mr` came from ibv_reg_mr and is deregistered exactly once; no work
+            // request can still use it (each holds an Arc to this struct).
+            let rc = unsafe { (self.pd.inner.ctx.inner.v.dereg_mr)(self.mr) };
+            if rc != 0 {
+                record_drop_failure("ibv_dereg_mr", rc);
+            }
+            self.mr = std::ptr::null_mut();
+        }
+    }
+}
+
+impl<B> Drop for MrInner<B> {
+    fn drop(&mut self) {
+        // Deregister first: only then may the buffer (dropped after this) be freed.
+        self.dereg();
+    }
+}
+
+fn register_raw<B: RegionBuffer>(
+    pd: &ProtectionDomain,
+    buf: B,
+    access: u32,
+) -> std::result::Result<Arc<MrInner<B>>, (Error, B)> {
+    let mut arc = Arc::new(MrInner {
+        pd: pd.clone(),
+        mr: std::ptr::null_mut(),
+        addr: std::ptr::null_mut(),
+        len: 0,
+        lkey: 0,
+        rkey: 0,
+        access,
+        buf: UnsafeCell::new(Some(buf)),
+    });
+    let inner = Arc::get_mut(&mut arc).expect("fresh Arc is unique");
+    let b = inner.buf.get_mut().as_mut().expect("just stored");
+    // The buffer is now at its final address (inside the Arc), so even inline storage is stable.
+    let (addr, len) = (b.as_mut_ptr(), b.len());
+    if len == 0 {
+        let b = inner.buf.get_mut().take().expect("just stored");
+        return Err((
+            Error::InvalidArgument("cannot register an empty buffer".into()),
+            b,
+        ));
+    }
+    // SAFETY: `addr..addr+len` is owned by the buffer (RegionBuffer contract) and stays valid
+    // until `dereg` runs in MrInner::drop, before the buffer is dropped.
+    let mr = unsafe { (pd.inner.ctx.inner.v.reg_mr)(pd.inner.pd, addr.cast(), len, access as i32) };
+    if mr.is_null() {
+        let b = inner.buf.get_mut().take().expect("just stored");
+        return Err((
+            Error::RegMr {
+                len,
+                access,
+                source: last_os_error(),
+            },
+            b,
+        ));
+    }
+    inner.mr = mr;
+    inner.addr = addr;
+    inner.len = len;
+    // SAFETY: `mr` is a valid ibv_mr returned just now.
+    unsafe {
+        inner.lkey = (*mr).lkey;
+        inner.rkey = (*mr).rkey;
+    }
+    Ok(arc)
+}
+
+/// A registered memory region that owns its buffer `B`.
+///
+/// * `MemoryRegion<B, Local>` (from [`ProtectionDomain::register`]) grants no remote access;
+///   [`as_slice`](Self::as_slice)/[`as_mut_slice`](Self::as_mut_slice) borrow the bytes
+///   when no [`MrSlice`] handle (and so no work request) is outstanding.
+/// * `MemoryRegion<B, Remote>` (from [`ProtectionDomain::register_remote`]) never lends the
+///   bytes to safe code: use the copying accessors or [`close_remote_access`](Self::close_remote_access).
+///
+/// Work requests take [`MrSlice`] handles made with [`slice`](Self::slice).
+pub struct MemoryRegion<B: RegionBuffer = AlignedBuffer, A: AccessMode = Local> {
+    inner: Arc<MrInner<B>>,
+    _a: PhantomData<A>,
+}
+
+impl<B: RegionBuffer, A: AccessMode> std::fmt::Debug for MemoryRegion<B, A> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryRegion")
+            .field("addr", &self.inner.addr)
+            .field("len", &self.inner.len)
+            .field("lkey", &self.inner.lkey)
+            .field("rkey", &self.inner.rkey)
+            .field("access", &format_args!("{:#x}", self.inner.access))
+            .finish()
+    }
+}
+
+impl ProtectionDomain {
+    /// Registers `buf` for local access only (`IBV_ACCESS_LOCAL_WRITE`), taking ownership.
+    ///
+    /// # Errors
+    /// [`Error::RegMr`] (`ENOMEM`: the locked-memory limit, see its message);
+    /// [`Error::InvalidArgument`] for an empty buffer. The buffer is dropped on error; use
+    /// [`try_register`](Self::try_register) to get it back.
+    pub fn register<B: RegionBuffer>(&self, buf: B) -> Result<MemoryRegion<B, Local>> {
+        self.try_register(buf).map_err(|(e, _)| e)
+    }
+
+    /// As [`register`](Self::register), but hands the buffer back on failure.
+    ///
+    /// # Errors
+    /// As [`register`](Self::register).
+    pub fn try_register<B: RegionBuffer>(
+        &self,
+        buf: B,
+    ) -> std::result::Result<MemoryRegion<B, Local>, (Error, B)> {
+        let inner = register_raw(self, buf, sys::IBV_ACCESS_LOCAL_WRITE as u32)?;
+        Ok(MemoryRegion {
+            inner,
+            _a: PhantomData,
+        })
+    }
+
+    /// Registers `buf` with remote access rights (plus local write), taking ownership.
+    ///
+    /// # Errors
+    /// As [`register`](Self::register).
+    pub fn register_remote<B: RegionBuffer>(
+        &self,
+        buf: B,
+        access: RemoteAccess,
+    ) -> Result<MemoryRegion<B, Remote>> {
+        let flags = sys::IBV_ACCESS_LOCAL_WRITE as u32 | access.bits();
+        let inner = register_raw(self, buf, flags).map_err(|(e, _)| e)?;
+        Ok(MemoryRegion {
+            inner,
+            _a: PhantomData,
+        })
+    }
+
+    /// Allocates and registers `len` zeroed, 64-byte aligned bytes for local access.
+    ///
+    /// # Errors
+    /// As [`register`](Self::register) and [`AlignedBuffer::zeroed`].
+    pub fn alloc_region(&self, len: usize) -> Result<MemoryRegion<AlignedBuffer, Local>> {
+        self.register(AlignedBuffer::new(len)?)
+    }
+}
+
+fn range_of(r: impl RangeBounds<usize>, len: usize) -> Result<(usize, usize)> {
+    let start = match r.start_bound() {
+        Bound::Included(&s) => s,
+        Bound::Excluded(&s) => s.saturating_add(1),
+        Bound::Unbounded => 0,
+    };
+    let end = match r.end_bound() {
+        Bound::Included(&e) => e.saturating_add(1),
+        Bound::Excluded(&e) => e,
+        Bound::Unbounded => len,
+    };
+    if start > end || end > len {
+        return Err(Error::OutOfBounds {
+            offset: start,
+            len: end.saturating_sub(start),
+            region_len: len,
+        });
+    }
+    Ok((start, end - start))
+}
+
+impl<B: RegionBuffer, A: AccessMode> MemoryRegion<B, A> {
+    /// Start address (what a peer uses as `remote_addr`).
+    pub fn addr(&self) -> u64 {
+        self.inner.addr as u64
+    }
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.inner.len
+    }
+    /// Whether the region is empty (never: empty buffers cannot be registered).
+    pub fn is_empty(&self) -> bool {
+        self.inner.len == 0
+    }
+    /// Local key.
+    pub fn lkey(&self) -> u32 {
+        self.inner.lkey
+    }
+    /// Remote key (meaningful for `Remote` regions).
+    pub fn rkey(&self) -> u32 {
+        self.inner.rkey
+    }
+    /// The PD it is registered in.
+    pub fn pd(&self) -> &ProtectionDomain {
+        &self.inner.pd
+    }
+
+    /// How many [`MrSlice`] handles (held by you or by posted work requests) are alive.
+    pub fn outstanding(&self) -> usize {
+        Arc::strong_count(&self.inner) - 1
+    }
+
+    /// An owned handle to `range` of the region, for posting.
+    ///
+    /// Takes `&mut self` so that no borrow from [`as_slice`](MemoryRegion::as_slice) can be
+    /// alive while a handle (and so a work request) exists.
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`] when the range does not lie in the region or is longer than
+    /// `u32::MAX` (the largest scatter/gather element).
+    pub fn slice(&mut self, range: impl RangeBounds<usize>) -> Result<MrSlice> {
+        let (off, len) = range_of(range, self.inner.len)?;
+        if len > u32::MAX as usize {
+            return Err(Error::OutOfBounds {
+                offset: off,
+                len,
+                region_len: u32::MAX as usize,
+            });
+        }
+        Ok(MrSlice {
+            owner: self.inner.clone() as Arc<dyn RegionOwner>,
+            addr: self.inner.addr as u64 + off as u64,
+            len: len as u32,
+            lkey: self.inner.lkey,
+            rkey: self.inner.rkey,
+            remote: A::IS_REMOTE,
+        })
+    }
+
+    /// Copies `dst.len()` bytes starting at `offset` out of the region.
+    ///
+    /// Safe at any time: the copy goes through raw pointers (never a reference to memory the
+    /// device may be writing); bytes a work request or a peer writes concurrently may be
+    /// observed torn.
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`].
+    pub fn read_into(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        let (off, _) = range_of(offset..offset.saturating_add(dst.len()), self.inner.len)?;
+        // SAFETY: the range lies inside the live registration.
+        unsafe { copy_out(self.inner.addr.add(off), dst) };
+        Ok(())
+    }
+
+    /// Copies `src` into the region at `offset` (see [`read_into`](Self::read_into)).
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`].
+    pub fn write_from(&self, offset: usize, src: &[u8]) -> Result<()> {
+        let (off, _) = range_of(offset..offset.saturating_add(src.len()), self.inner.len)?;
+        // SAFETY: the range lies inside the live registration.
+        unsafe { copy_in(self.inner.addr.add(off), src) };
+        Ok(())
+    }
+
+    /// Atomically reads the 8-byte word at `offset` (must be 8-aligned; e.g. an atomic target).
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`], [`Error::InvalidRequest`] when misaligned.
+    pub fn read_u64(&self, offset: usize) -> Result<u64> {
+        range_of(offset..offset.saturating_add(8), self.inner.len)?;
+        // SAFETY: in bounds (checked above).
+        let p = unsafe { self.inner.addr.add(offset) };
+        if p as usize % 8 != 0 {
+            return Err(Error::InvalidRequest("u64 access must be 8-byte aligned"));
+        }
+        // SAFETY: aligned, in bounds, and only ever accessed by the CPU through atomics or
+        // exclusive borrows (which cannot coexist with `&self` handles).
+        Ok(unsafe { AtomicU64::from_ptr(p.cast()) }.load(Ordering::Acquire))
+    }
+
+    /// Atomically writes the 8-byte word at `offset` (must be 8-aligned).
+    ///
+    /// # Errors
+    /// As [`read_u64`](Self::read_u64).
+    pub fn write_u64(&self, offset: usize, value: u64) -> Result<()> {
+        range_of(offset..offset.saturating_add(8), self.inner.len)?;
+        // SAFETY: in bounds (checked above).
+        let p = unsafe { self.inner.addr.add(offset) };
+        if p as usize % 8 != 0 {
+            return Err(Error::InvalidRequest("u64 access must be 8-byte aligned"));
+        }
+        // SAFETY: as in read_u64.
+        unsafe { AtomicU64::from_ptr(p.cast()) }.store(value, Ordering::Release);
+        Ok(())
+    }
+
+    /// Deregisters and returns the buffer, when no handle is outstanding.
+    ///
+    /// # Errors
+    /// Gives `self` back while [`MrSlice`] handles (or posted work requests) are alive.
+    pub fn into_inner(self) -> std::result::Result<B, Self> {
+        match Arc::try_unwrap(self.inner) {
+            Ok(mut inner) => {
+                inner.dereg();
+                Ok(inner
+                    .buf
+                    .get_mut()
+                    .take()
+                    .expect("buffer present until into_inner"))
+            }
+            Err(inner) => Err(MemoryRegion {
+                inner,
+                _a: PhantomData,
+            }),
+        }
+    }
+}
+
+impl<B: RegionBuffer> MemoryRegion<B, Local> {
+    /// Borrows the bytes.
+    ///
+    /// # Errors
+    /// [`Error::RegionBusy`] while [`MrSlice`] handles exist (a work request may be
+    /// writing the memory).
+    pub fn as_slice(&self) -> Result<&[u8]> {
+        let n = self.outstanding();
+        if n != 0 {
+            return Err(Error::RegionBusy(n));
+        }
+        // Acquire: pairs with the Release decrement of the last handle's drop, so the
+        // device's writes (observed by the poller before it dropped the handle) are visible.
+        std::sync::atomic::fence(Ordering::Acquire);
+        // SAFETY: no handle exists and none can be created while `&self` is borrowed
+        // (`slice` needs `&mut self`); the region grants no remote access; so neither the
+        // device nor another thread can write these bytes while the borrow lives.
+        Ok(unsafe { std::slice::from_raw_parts(self.inner.addr, self.inner.len) })
+    }
+
+    /// Borrows the bytes mutably.
+    ///
+    /// # Errors
+    /// [`Error::RegionBusy`] while [`MrSlice`] handles exist.
+    pub fn as_mut_slice(&mut self) -> Result<&mut [u8]> {
+        let inner = match Arc::get_mut(&mut self.inner) {
+            Some(i) => i,
+            None => return Err(Error::RegionBusy(Arc::strong_count(&self.inner) - 1)),
+        };
+        // SAFETY: `get_mut` proved we hold the only reference (with Acquire ordering), the
+        // region is local-only, and `&mut self` keeps it so for the borrow's lifetime.
+        Ok(unsafe { std::slice::from_raw_parts_mut(inner.addr, inner.len) })
+    }
+}
+
+impl<B: RegionBuffer> MemoryRegion<B, Remote> {
+    /// The remote descriptor (address, length, rkey) to send to peers.
+    pub fn remote(&self) -> RemoteMemory {
+        RemoteMemory {
+            addr: self.inner.addr as u64,
+            len: self.inner.len as u64,
+            rkey: self.inner.rkey,
+        }
+    }
+
+    /// The remote access rights granted.
+    pub fn remote_access(&self) -> RemoteAccess {
+        RemoteAccess::from_bits_truncate(self.inner.access)
+    }
+
+    /// Closes remote access: registers the same memory again for local access only, then
+    /// deregisters the remote registration (after which no peer can reach it), giving a
+    /// region whose bytes can be borrowed. The rkey stops working; the lkey changes.
+    ///
+    /// # Errors
+    /// Gives `self` back with [`Error::RegionBusy`] while handles are outstanding, or with
+    /// [`Error::RegMr`] if the new registration fails (the old one stays valid).
+    pub fn close_remote_access(
+        mut self,
+    ) -> std::result::Result<MemoryRegion<B, Local>, (Error, Self)> {
+        let n = self.outstanding();
+        let Some(inner) = Arc::get_mut(&mut self.inner) else {
+            return Err((Error::RegionBusy(n), self));
+        };
+        let access = sys::IBV_ACCESS_LOCAL_WRITE as u32;
+        // SAFETY: the memory is owned by this (unique) region and stays valid until the new
+        // registration is deregistered.
+        let mr = unsafe {
+            (inner.pd.inner.ctx.inner.v.reg_mr)(
+                inner.pd.inner.pd,
+                inner.addr.cast(),
+                inner.len,
+                access as i32,
+            )
+        };
+        if mr.is_null() {
+            let e = Error::RegMr {
+                len: inner.len,
+                access,
+                source: last_os_error(),
+            };
+            return Err((e, self));
+        }
+        inner.dereg();
+        inner.mr = mr;
+        inner.access = access;
+        // SAFETY: `mr` is a valid ibv_mr returned just now.
+        unsafe {
+            inner.lkey = (*mr).lkey;
+            inner.rkey = (*mr).rkey;
+        }
+        Ok(MemoryRegion {
+            inner: self.inner,
+            _a: PhantomData,
+        })
+    }
+}
+
+/// A peer's memory as it described it: address, length and rkey. Plain data: the peer owns
+/// the memory; the NIC checks the rkey and bounds (violations complete with
+/// [`WcStatus::RemoteAccess`](crate::WcStatus::RemoteAccess)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct RemoteMemory {
+    /// Start address in the peer's address space.
+    pub addr: u64,
+    /// Length of the window.
+    pub len: u64,
+    /// Remote key.
+    pub rkey: u32,
+}
+
+impl RemoteMemory {
+    /// Encoded size of [`to_bytes`](Self::to_bytes).
+    pub const ENCODED_LEN: usize = 20;
+
+    /// A sub-window `[offset, offset + len)`, checked against this window.
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`].
+    pub fn slice(&self, offset: u64, len: u64) -> Result<RemoteMemory> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(RemoteMemory {
+                addr: self.addr + offset,
+                len,
+                rkey: self.rkey,
+            }),
+            _ => Err(Error::OutOfBounds {
+                offset: offset as usize,
+                len: len as usize,
+                region_len: self.len as usize,
+            }),
+        }
+    }
+
+    /// Little-endian encoding: addr (8), len (8), rkey (4).
+    pub fn to_bytes(&self) -> [u8; Self::ENCODED_LEN] {
+        let mut b = [0u8; Self::ENCODED_LEN];
+        b[..8].copy_from_slice(&self.addr.to_le_bytes());
+        b[8..16].copy_from_slice(&self.len.to_le_bytes());
+        b[16..].copy_from_slice(&self.rkey.to_le_bytes());
+        b
+    }
+
+    /// Decodes [`to_bytes`](Self::to_bytes).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for a wrong length or an address range that overflows.
+    pub fn from_bytes(b: &[u8]) -> Result<Self> {
+        let b: &[u8; Self::ENCODED_LEN] = b.try_into().map_err(|_| {
+            Error::InvalidArgument(format!(
+                "remote memory descriptor must be {} bytes, got {}",
+                Self::ENCODED_LEN,
+                b.len()
+            ))
+        })?;
+        let addr = u64::from_le_bytes(b[..8].try_into().expect("8 bytes"));
+        let len = u64::from_le_bytes(b[8..16].try_into().expect("8 bytes"));
+        let rkey = u32::from_le_bytes(b[16..].try_into().expect("4 bytes"));
+        if addr.checked_add(len).is_none() {
+            return Err(Error::InvalidArgument(
+                "remote memory range overflows".into(),
+            ));
+        }
+        Ok(RemoteMemory { addr, len, rkey })
+    }
+}
+
+/// An owned handle to a byte range of a registered region: what work requests take.
+///
+/// Cloning is cheap (a reference count). The region's memory stays registered and
+/// allocated while any handle lives. A handle never lends references to the bytes (the
+/// device may be using them); it copies in and out with atomic accesses.
+#[derive(Clone)]
+pub struct MrSlice {
+    owner: Arc<dyn RegionOwner>,
+    addr: u64,
+    len: u32,
+    lkey: u32,
+    rkey: u32,
+    remote: bool,
+}
+
+impl std::fmt::Debug for MrSlice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MrSlice")
+            .field("addr", &format_args!("{:#x}", self.addr))
+            .field("len", &self.len)
+            .field("lkey", &self.lkey)
+            .finish()
+    }
+}
+
+impl MrSlice {
+    /// Start address.
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len as usize
+    }
+    /// Whether the length is zero.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Local key of the region.
+    pub fn lkey(&self) -> u32 {
+        self.lkey
+    }
+    /// Whether the region it belongs to has remote access open.
+    pub fn is_remote(&self) -> bool {
+        self.remote
+    }
+    /// The remote descriptor of this range (for a region with remote access).
+    pub fn remote(&self) -> RemoteMemory {
+        RemoteMemory {
+            addr: self.addr,
+            len: self.len as u64,
+            rkey: self.rkey,
+        }
+    }
+
+    /// A handle to a sub-range (relative to this handle).
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`].
+    pub fn slice(&self, range: impl RangeBounds<usize>) -> Result<MrSlice> {
+        let (off, len) = range_of(range, self.len as usize)?;
+        Ok(MrSlice {
+            addr: self.addr + off as u64,
+            len: len as u32,
+            ..self.clone()
+        })
+    }
+
+    pub(crate) fn sge(&self) -> sys::ibv_sge {
+        sys::ibv_sge {
+            addr: self.addr,
+            length: self.len,
+            lkey: self.lkey,
+        }
+    }
+
+    /// Copies out `dst.len()` bytes at `offset` (see [`MemoryRegion::read_into`]).
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`].
+    pub fn read_into(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        let (off, _) = range_of(offset..offset.saturating_add(dst.len()), self.len as usize)?;
+        // SAFETY: in bounds of a live registration (kept alive by `owner`).
+        unsafe { copy_out((self.addr as *mut u8).add(off), dst) };
+        Ok(())
+    }
+
+    /// Copies `src` in at `offset`.
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`].
+    pub fn write_from(&self, offset: usize, src: &[u8]) -> Result<()> {
+        let (off, _) = range_of(offset..offset.saturating_add(src.len()), self.len as usize)?;
+        // SAFETY: in bounds of a live registration (kept alive by `owner`).
+        unsafe { copy_in((self.addr as *mut u8).add(off), src) };
+        Ok(())
+    }
+
+    /// A copy of the bytes.
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut v = vec![0u8; self.len as usize];
+        self.read_into(0, &mut v).expect("whole range is in bounds");
+        v
+    }
+
+    /// Atomically reads the 8-byte word at `offset` (8-aligned).
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`], [`Error::InvalidRequest`] when misaligned.
+    pub fn read_u64(&self, offset: usize) -> Result<u64> {
+        range_of(offset..offset.saturating_add(8), self.len as usize)?;
+        let p = (self.addr as usize + offset) as *mut u64;
+        if p as usize % 8 != 0 {
+            return Err(Error::InvalidRequest("u64 access must be 8-byte aligned"));
+        }
+        // SAFETY: aligned and in bounds of a live registration.
+        Ok(unsafe { AtomicU64::from_ptr(p) }.load(Ordering::Acquire))
+    }
+
+    /// Whether `other` is a handle into the same registration.
+    pub fn same_region(&self, other: &MrSlice) -> bool {
+        std::ptr::addr_eq(Arc::as_ptr(&self.owner), Arc::as_ptr(&other.owner))
+    }
+}
+
+/// Copies device-shared memory out, word-wise with relaxed atomics (no reference to the
+/// shared bytes is ever formed, and concurrent CPU copies are not data races).
+///
+/// # Safety
+/// `src..src+dst.len()` must be inside a live registration.
+unsafe fn copy_out(src: *mut u8, dst: &mut [u8]) {
+    let mut i = 0;
+    let n = dst.len();
+    while i < n && (src as usize + i) % 8 != 0 {
+        // SAFETY: in bounds (contract); AtomicU8 has no alignment requirement.
+        dst[i] = unsafe { AtomicU8::from_ptr(src.add(i)) }.load(Ordering::Relaxed);
+        i += 1;
+    }
+    while i + 8 <= n {
+        // SAFETY: in bounds and 8-aligned.
+        let w = unsafe { AtomicU64::from_ptr(src.add(i).cast()) }.load(Ordering::Relaxed);
+        dst[i..i + 8].copy_from_slice(&w.to_ne_bytes());
+        i += 8;
+    }
+    while i < n {
+        // SAFETY: in bounds.
+        dst[i] = unsafe { AtomicU8::from_ptr(src.add(i)) }.load(Ordering::Relaxed);
+        i += 1;
+    }
+    std::sync::atomic::fence(Ordering::Acquire);
+}
+
+/// Copies into device-shared memory (see [`copy_out`]).
+///
+/// # Safety
+/// `dst..dst+src.len()` must be inside a live registration.
+unsafe fn copy_in(dst: *mut u8, src: &[u8]) {
+    std::sync::atomic::fence(Ordering::Release);
+    let mut i = 0;
+    let n = src.len();
+    while i < n && (dst as usize + i) % 8 != 0 {
+        // SAFETY: in bounds (contract).
+        unsafe { AtomicU8::from_ptr(dst.add(i)) }.store(src[i], Ordering::Relaxed);
+        i += 1;
+    }
+    while i + 8 <= n {
+        let w = u64::from_ne_bytes(src[i..i + 8].try_into().expect("8 bytes"));
+        // SAFETY: in bounds and 8-aligned.
+        unsafe { AtomicU64::from_ptr(dst.add(i).cast()) }.store(w, Ordering::Relaxed);
+        i += 8;
+    }
+    while i < n {
+        // SAFETY: in bounds.
+        unsafe { AtomicU8::from_ptr(dst.add(i)) }.store(src[i], Ordering::Relaxed);
+        i += 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_are_checked() {
+        assert_eq!(range_of(.., 10).unwrap(), (0, 10));
+        assert_eq!(range_of(2..5, 10).unwrap(), (2, 3));
+        assert_eq!(range_of(2..=5, 10).unwrap(), (2, 4));
+        assert_eq!(range_of(10.., 10).unwrap(), (10, 0));
+        assert!(matches!(
+            range_of(5..11, 10),
+            Err(Error::OutOfBounds {
+                offset: 5,
+                len: 6,
+                region_len: 10
+            })
+        ));
+        #[allow(clippy::reversed_empty_ranges)]
+        let r = range_of(6..5, 10);
+        assert!(r.is_err());
+        assert!(range_of(usize::MAX.., 10).is_err());
+    }
+
+    #[test]
+    fn remote_memory_codec_and_bounds() {
+        let r = RemoteMemory {
+            addr: 0x1000,
+            len: 4096,
+            rkey: 0xabcd,
+        };
+        assert_eq!(RemoteMemory::from_bytes(&r.to_bytes()).unwrap(), r);
+        assert!(RemoteMemory::from_bytes(&[0u8; 19]).is_err());
+        let mut bad = r.to_bytes();
+        bad[..8].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(RemoteMemory::from_bytes(&bad).is_err());
+        assert_eq!(r.slice(4000, 96).unwrap().addr, 0x1000 + 4000);
+        assert!(r.slice(4000, 97).is_err());
+        assert!(r.slice(u64::MAX, 2).is_err());
+    }
+
+    #[test]
+    fn copies_in_and_out_at_any_alignment() {
+        let mut buf = vec![0u8; 64];
+        let p = buf.as_mut_ptr();
+        let src: Vec<u8> = (0..37).collect();
+        // SAFETY: in bounds of `buf`, which nothing else accesses meanwhile.
+        unsafe { copy_in(p.add(3), &src) };
+        let mut out = vec![0u8; 37];
+        // SAFETY: as above.
+        unsafe { copy_out(p.add(3), &mut out) };
+        assert_eq!(out, src);
+        assert_eq!(buf[3..40], src[..]);
+        assert_eq!(buf[2], 0);
+        assert_eq!(buf[40], 0);
+    }
+}

@@ -1,0 +1,711 @@
+//! Send work requests, batches, and the posting methods of connected QPs.
+#![allow(unsafe_code)]
+
+use super::{PostError, QueuePair, Rc, Transport, Uc, Ud};
+use crate::ah::{AddressHandle, AhAttr};
+use crate::error::{rc_error, Error, Result};
+use crate::inflight::{SgList, SlotData, MAX_SGE};
+use crate::mr::{MrSlice, RemoteMemory};
+use crate::qp::Endpoint;
+use crate::result::ops;
+use crate::sys::{self, *};
+use std::mem::MaybeUninit;
+
+/// The destination of a UD send: address handle, remote QP number and Q_Key.
+#[derive(Clone, Debug)]
+pub struct UdDest {
+    /// The path.
+    pub ah: AddressHandle,
+    /// Remote QP number.
+    pub qpn: u32,
+    /// Remote Q_Key.
+    pub qkey: u32,
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Send,
+    Write(RemoteMemory),
+    Read(RemoteMemory),
+    CompareSwap {
+        remote: RemoteMemory,
+        compare: u64,
+        swap: u64,
+    },
+    FetchAdd {
+        remote: RemoteMemory,
+        add: u64,
+    },
+    SendTo(UdDest),
+}
+
+/// One send-queue work request: the operation, its local buffers (owned until the
+/// completion hands them back) and flags. Signalled by default.
+#[derive(Clone, Debug)]
+pub struct SendRequest {
+    op: Op,
+    bufs: SgList,
+    wr_id: u64,
+    imm: Option<u32>,
+    flags: u32,
+}
+
+impl SendRequest {
+    fn new(op: Op, bufs: SgList) -> Self {
+        SendRequest {
+            op,
+            bufs,
+            wr_id: 0,
+            imm: None,
+            flags: sys::IBV_SEND_SIGNALED,
+        }
+    }
+    /// SEND `bufs` (consumes a receive at the peer).
+    pub fn send(bufs: impl Into<SgList>) -> Self {
+        Self::new(Op::Send, bufs.into())
+    }
+    /// RDMA WRITE `bufs` to `remote` (RC/UC). `remote` must be at least as long as `bufs`.
+    pub fn write(bufs: impl Into<SgList>, remote: RemoteMemory) -> Self {
+        Self::new(Op::Write(remote), bufs.into())
+    }
+    /// RDMA READ `remote` into `bufs` (RC).
+    pub fn read(bufs: impl Into<SgList>, remote: RemoteMemory) -> Self {
+        Self::new(Op::Read(remote), bufs.into())
+    }
+    /// Atomic compare-and-swap of the 8-byte word at `remote` (RC): if it equals `compare`
+    /// it becomes `swap`; the old value lands in `result` (8 bytes, 8-aligned).
+    pub fn compare_swap(result: MrSlice, remote: RemoteMemory, compare: u64, swap: u64) -> Self {
+        Self::new(
+            Op::CompareSwap {
+                remote,
+                compare,
+                swap,
+            },
+            result.into(),
+        )
+    }
+    /// Atomic fetch-and-add on the 8-byte word at `remote` (RC); the old value lands in
+    /// `result` (8 bytes, 8-aligned).
+    pub fn fetch_add(result: MrSlice, remote: RemoteMemory, add: u64) -> Self {
+        Self::new(Op::FetchAdd { remote, add }, result.into())
+    }
+    /// UD SEND of `bufs` to `dest`.
+    pub fn send_to(bufs: impl Into<SgList>, dest: UdDest) -> Self {
+        Self::new(Op::SendTo(dest), bufs.into())
+    }
+    /// Attaches immediate data (SEND and WRITE only; WRITE with immediate consumes a receive
+    /// at the peer).
+    pub fn imm(mut self, imm: u32) -> Self {
+        self.imm = Some(imm);
+        self
+    }
+    /// Your id, returned in the completion.
+    pub fn wr_id(mut self, wr_id: u64) -> Self {
+        self.wr_id = wr_id;
+        self
+    }
+    /// Do not generate a completion on success. The buffers are released (dropped) when a
+    /// later signalled work request of the same QP completes, or when the QP is dropped.
+    /// Keep a clone of a handle to reuse the memory.
+    pub fn unsignaled(mut self) -> Self {
+        self.flags &= !sys::IBV_SEND_SIGNALED;
+        self
+    }
+    /// Set the solicited-event bit (wakes a peer armed with `req_notify(true)`).
+    pub fn solicited(mut self) -> Self {
+        self.flags |= sys::IBV_SEND_SOLICITED;
+        self
+    }
+    /// Wait for earlier READ/atomics to finish before this one starts.
+    pub fn fence(mut self) -> Self {
+        self.flags |= sys::IBV_SEND_FENCE;
+        self
+    }
+    /// Copy the data into the work request at post time (at most the QP's
+    /// `max_inline_data` bytes).
+    pub fn inline(mut self) -> Self {
+        self.flags |= sys::IBV_SEND_INLINE;
+        self
+    }
+    /// The buffers.
+    pub fn bufs(&self) -> &SgList {
+        &self.bufs
+    }
+    /// Takes the buffers back out.
+    pub fn into_bufs(self) -> SgList {
+        self.bufs
+    }
+
+    /// Validates against the transport and QP limits and fills `wr`/`sges` (all but wr_id).
+    fn encode<T: Transport>(
+        &self,
+        max_sge: usize,
+        max_inline: u32,
+        wr: &mut ibv_send_wr,
+        sges: &mut [ibv_sge; MAX_SGE],
+    ) -> Result<()> {
+        let is_ud = T::QPT == sys::IBV_QPT_UD;
+        let is_uc = T::QPT == sys::IBV_QPT_UC;
+        if self.bufs.len() > max_sge {
+            return Err(Error::InvalidRequest(
+                "more buffers than the QP's max_send_sge",
+            ));
+        }
+        let total = self.bufs.total_len();
+        if self.flags & sys::IBV_SEND_INLINE != 0 && total > max_inline as u64 {
+            return Err(Error::InvalidRequest(
+                "inline data larger than the QP's max_inline_data",
+            ));
+        }
+        let mut n = 0;
+        for (i, s) in self.bufs.iter().enumerate() {
+            sges[i] = s.sge();
+            n = i + 1;
+        }
+        wr.next = std::ptr::null_mut();
+        wr.sg_list = sges.as_mut_ptr();
+        wr.num_sge = n as i32;
+        wr.send_flags = self.flags;
+        wr.imm_data = self.imm.map_or(0, u32::to_be);
+        let check_remote = |r: &RemoteMemory| {
+            if total > r.len {
+                Err(Error::OutOfBounds {
+                    offset: 0,
+                    len: total as usize,
+                    region_len: r.len as usize,
+                })
+            } else {
+                Ok(())
+            }
+        };
+        match &self.op {
+            Op::Send if is_ud => {
+                return Err(Error::InvalidRequest(
+                    "UD sends need a destination: use send_to",
+                ))
+            }
+            Op::Send => {
+                wr.opcode = if self.imm.is_some() {
+                    IBV_WR_SEND_WITH_IMM
+                } else {
+                    IBV_WR_SEND
+                };
+            }
+            Op::SendTo(d) => {
+                if !is_ud {
+                    return Err(Error::InvalidRequest("send_to is for UD QPs"));
+                }
+                wr.opcode = if self.imm.is_some() {
+                    IBV_WR_SEND_WITH_IMM
+                } else {
+                    IBV_WR_SEND
+                };
+                wr.wr.ud = ibv_send_wr_ud {
+                    ah: d.ah.as_ptr(),
+                    remote_qpn: d.qpn,
+                    remote_qkey: d.qkey,
+                };
+            }
+            Op::Write(r) => {
+                if is_ud {
+                    return Err(Error::InvalidRequest("RDMA WRITE needs a connected QP"));
+                }
+                check_remote(r)?;
+                wr.opcode = if self.imm.is_some() {
+                    IBV_WR_RDMA_WRITE_WITH_IMM
+                } else {
+                    IBV_WR_RDMA_WRITE
+                };
+                wr.wr.rdma = ibv_send_wr_rdma {
+                    remote_addr: r.addr,
+                    rkey: r.rkey,
+                };
+            }
+            Op::Read(r) => {
+                if is_ud || is_uc {
+                    return Err(Error::InvalidRequest("RDMA READ needs an RC QP"));
+                }
+                if self.imm.is_some() {
+                    return Err(Error::InvalidRequest(
+                        "RDMA READ cannot carry immediate data",
+                    ));
+                }
+                check_remote(r)?;
+                wr.opcode = IBV_WR_RDMA_READ;
+                wr.wr.rdma = ibv_send_wr_rdma {
+                    remote_addr: r.addr,
+                    rkey: r.rkey,
+                };
+            }
+            Op::CompareSwap { remote, .. } | Op::FetchAdd { remote, .. } => {
+                if is_ud || is_uc {
+                    return Err(Error::InvalidRequest("atomics need an RC QP"));
+                }
+                if self.imm.is_some() {
+                    return Err(Error::InvalidRequest("atomics cannot carry immediate data"));
+                }
+                let b = match self.bufs.first() {
+                    Some(b) if self.bufs.len() == 1 => b,
+                    _ => {
+                        return Err(Error::InvalidRequest(
+                            "atomics take exactly one 8-byte result buffer",
+                        ))
+                    }
+                };
+                if b.len() != 8 || b.addr() % 8 != 0 {
+                    return Err(Error::InvalidRequest(
+                        "the atomic result buffer must be 8 bytes, 8-aligned",
+                    ));
+                }
+                if remote.len < 8 || remote.addr % 8 != 0 {
+                    return Err(Error::InvalidRequest(
+                        "the atomic target must be 8 bytes, 8-aligned",
+                    ));
+                }
+                let (opcode, compare_add, swap) = match self.op {
+                    Op::CompareSwap { compare, swap, .. } => {
+                        (IBV_WR_ATOMIC_CMP_AND_SWP, compare, swap)
+                    }
+                    Op::FetchAdd { add, .. } => (IBV_WR_ATOMIC_FETCH_AND_ADD, add, 0),
+                    _ => unreachable!(),
+                };
+                wr.opcode = opcode;
+                wr.wr.atomic = ibv_send_wr_atomic {
+                    remote_addr: remote.addr,
+                    compare_add,
+                    swap,
+                    rkey: remote.rkey,
+                };
+            }
+        }
+        Ok(())
+    }
+
+    fn ah(&self) -> Option<AddressHandle> {
+        match &self.op {
+            Op::SendTo(d) => Some(d.ah.clone()),
+            _ => None,
+        }
+    }
+}
+
+fn blank_wr() -> ibv_send_wr {
+    ibv_send_wr {
+        wr_id: 0,
+        next: std::ptr::null_mut(),
+        sg_list: std::ptr::null_mut(),
+        num_sge: 0,
+        opcode: 0,
+        send_flags: 0,
+        imm_data: 0,
+        wr: ibv_send_wr_wr {
+            atomic: ibv_send_wr_atomic::default(),
+        },
+        qp_type_xrc_remote_srqn: 0,
+        _bind_mw_tso: [0; 6],
+    }
+}
+
+/// The most work requests one [`SendBatch`] holds.
+pub const MAX_BATCH: usize = 32;
+
+/// Up to [`MAX_BATCH`] send work requests posted with one `ibv_post_send` call
+/// ([`QueuePair::post_batch`]). Reusable; holds no heap memory.
+#[derive(Debug, Default)]
+pub struct SendBatch {
+    reqs: [Option<SendRequest>; MAX_BATCH],
+    len: usize,
+}
+
+impl SendBatch {
+    /// An empty batch.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Adds a request; gives it back when the batch is full.
+    ///
+    /// # Errors
+    /// The request, when [`MAX_BATCH`] are already queued.
+    pub fn push(&mut self, r: SendRequest) -> Result<(), SendRequest> {
+        if self.len == MAX_BATCH {
+            return Err(r);
+        }
+        self.reqs[self.len] = Some(r);
+        self.len += 1;
+        Ok(())
+    }
+    /// Number of queued requests.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Removes every queued request.
+    pub fn drain(&mut self) -> impl Iterator<Item = SendRequest> + '_ {
+        let n = std::mem::take(&mut self.len);
+        self.reqs[..n].iter_mut().filter_map(Option::take)
+    }
+}
+
+impl<T: Transport> QueuePair<T> {
+    /// Posts one send work request. Its buffers are owned by the operation until its
+    /// completion (or, unsignalled, a later one) hands them back.
+    ///
+    /// # Errors
+    /// With the request handed back: [`Error::QueueFull`] (poll completions first),
+    /// [`Error::InvalidRequest`] (operation not valid for this transport, too many
+    /// buffers, misaligned atomic, inline too large), [`Error::OutOfBounds`] (local
+    /// buffers longer than the remote window), [`Error::PostSend`].
+    #[inline]
+    pub fn post_send(&mut self, req: SendRequest) -> Result<(), PostError<SendRequest>> {
+        let mut sges = [ibv_sge::default(); MAX_SGE];
+        let mut wr = blank_wr();
+        if let Err(error) = req.encode::<T>(
+            self.core.max_send_sge,
+            self.core.max_inline,
+            &mut wr,
+            &mut sges,
+        ) {
+            return Err(PostError {
+                error,
+                request: req,
+            });
+        }
+        let ah = req.ah();
+        let SendRequest {
+            op,
+            bufs,
+            wr_id,
+            imm,
+            flags,
+        } = req;
+        let core = &mut self.core;
+        let id = match core.sq.fill(
+            &mut core.sq_head,
+            SlotData {
+                bufs,
+                user: wr_id,
+                _ah: ah,
+            },
+        ) {
+            Ok(id) => id,
+            Err(d) => {
+                return Err(PostError {
+                    error: Error::QueueFull {
+                        queue: "send queue",
+                        depth: core.sq.depth(),
+                    },
+                    request: SendRequest {
+                        op,
+                        bufs: d.bufs,
+                        wr_id,
+                        imm,
+                        flags,
+                    },
+                })
+            }
+        };
+        wr.wr_id = id;
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: the QP is live; `wr` and `sges` are valid for the call; every SGE names a
+        // live registration kept alive by the slot until the completion or QP destruction.
+        let rc = unsafe { ops::post_send(core.qp, &mut wr, &mut bad) };
+        if rc != 0 {
+            let d = core.sq.unfill(id).expect("slot we just filled");
+            return Err(PostError {
+                error: Error::PostSend {
+                    qpn: core.qpn,
+                    source: rc_error(rc),
+                },
+                request: SendRequest {
+                    op,
+                    bufs: d.bufs,
+                    wr_id,
+                    imm,
+                    flags,
+                },
+            });
+        }
+        core.sq.advance(&mut core.sq_head);
+        Ok(())
+    }
+
+    /// Posts every request of `batch` with a single `ibv_post_send`, returning how many
+    /// were posted (the batch is then empty).
+    ///
+    /// # Errors
+    /// If a request is invalid or the provider rejects one, the requests from that one on
+    /// stay in `batch` (those before it were posted) and the error is returned.
+    pub fn post_batch(&mut self, batch: &mut SendBatch) -> Result<usize> {
+        let n = batch.len;
+        if n == 0 {
+            return Ok(0);
+        }
+        let mut wrs = [MaybeUninit::<ibv_send_wr>::uninit(); MAX_BATCH];
+        let mut sges = [[ibv_sge::default(); MAX_SGE]; MAX_BATCH];
+        let mut ids = [0u64; MAX_BATCH];
+        let core = &mut self.core;
+        let mut filled = 0;
+        let mut err = None;
+        let mut cursor = core.sq_head;
+        for i in 0..n {
+            let req = batch.reqs[i]
+                .as_ref()
+                .expect("batch entries below len are Some");
+            let mut wr = blank_wr();
+            if let Err(e) =
+                req.encode::<T>(core.max_send_sge, core.max_inline, &mut wr, &mut sges[i])
+            {
+                err = Some(e);
+                break;
+            }
+            wrs[i].write(wr);
+            let req = batch.reqs[i].take().expect("checked above");
+            let ah = req.ah();
+            let SendRequest {
+                op,
+                bufs,
+                wr_id,
+                imm,
+                flags,
+            } = req;
+            match core.sq.fill(
+                &mut cursor,
+                SlotData {
+                    bufs,
+                    user: wr_id,
+                    _ah: ah,
+                },
+            ) {
+                Ok(id) => {
+                    ids[i] = id;
+                    core.sq.advance(&mut cursor);
+                    filled += 1;
+                }
+                Err(d) => {
+                    batch.reqs[i] = Some(SendRequest {
+                        op,
+                        bufs: d.bufs,
+                        wr_id,
+                        imm,
+                        flags,
+                    });
+                    err = Some(Error::QueueFull {
+                        queue: "send queue",
+                        depth: core.sq.depth(),
+                    });
+                    break;
+                }
+            }
+        }
+        // Chain what was filled (the sg_list pointers already point into `sges`).
+        for i in 0..filled {
+            let next = if i + 1 < filled {
+                wrs[i + 1].as_mut_ptr()
+            } else {
+                std::ptr::null_mut()
+            };
+            // SAFETY: entries below `filled` were written above.
+            let w = unsafe { wrs[i].assume_init_mut() };
+            w.wr_id = ids[i];
+            w.sg_list = sges[i].as_mut_ptr();
+            w.next = next;
+        }
+        let mut posted = filled;
+        if filled > 0 {
+            let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
+            // SAFETY: the QP is live; the chain of `filled` initialised WRs and their SGEs
+            // is valid for the call; the buffers are owned by their slots.
+            let rc = unsafe { ops::post_send(core.qp, wrs[0].as_mut_ptr(), &mut bad) };
+            if rc != 0 {
+                // Everything from `bad` on was not posted: take those slots back.
+                let first_bad = (0..filled)
+                    .find(|&i| std::ptr::eq(wrs[i].as_ptr(), bad))
+                    .unwrap_or(0);
+                posted = first_bad;
+                for (i, &id) in ids.iter().enumerate().take(filled).skip(first_bad) {
+                    if let Some(d) = core.sq.unfill(id) {
+                        // The op details were consumed; rebuild is not possible, so the
+                        // request comes back as a plain SEND of its buffers.
+                        batch.reqs[i] = Some(SendRequest::send(d.bufs).wr_id(d.user));
+                    }
+                }
+                err = Some(Error::PostSend {
+                    qpn: core.qpn,
+                    source: rc_error(rc),
+                });
+            }
+        }
+        for _ in 0..posted {
+            core.sq.advance(&mut core.sq_head);
+        }
+        // Compact the unposted remainder to the front.
+        let mut w = 0;
+        for r in 0..n {
+            if let Some(req) = batch.reqs[r].take() {
+                batch.reqs[w] = Some(req);
+                w += 1;
+            }
+        }
+        batch.len = w;
+        match err {
+            Some(e) => Err(e),
+            None => Ok(posted),
+        }
+    }
+
+    /// Sends `data` inline (copied into the work request during the call; no registered
+    /// memory needed). Unsignalled when `signaled` is false.
+    ///
+    /// # Errors
+    /// [`Error::InvalidRequest`] when `data` exceeds [`max_inline_data`](Self::max_inline_data)
+    /// or the transport is UD (use a registered buffer with [`SendRequest::send_to`]);
+    /// [`Error::QueueFull`]; [`Error::PostSend`].
+    pub fn send_inline(&mut self, data: &[u8], wr_id: u64, signaled: bool) -> Result<()> {
+        if T::QPT == sys::IBV_QPT_UD {
+            return Err(Error::InvalidRequest(
+                "UD inline sends are not supported by the safe layer",
+            ));
+        }
+        if data.len() > self.core.max_inline as usize {
+            return Err(Error::InvalidRequest(
+                "inline data larger than the QP's max_inline_data",
+            ));
+        }
+        let mut sge = ibv_sge {
+            addr: data.as_ptr() as u64,
+            length: data.len() as u32,
+            lkey: 0,
+        };
+        let mut wr = blank_wr();
+        wr.sg_list = &mut sge;
+        wr.num_sge = 1;
+        wr.opcode = IBV_WR_SEND;
+        wr.send_flags = sys::IBV_SEND_INLINE | if signaled { sys::IBV_SEND_SIGNALED } else { 0 };
+        let core = &mut self.core;
+        let id = core
+            .sq
+            .fill(
+                &mut core.sq_head,
+                SlotData {
+                    bufs: SgList::new(),
+                    user: wr_id,
+                    _ah: None,
+                },
+            )
+            .map_err(|_| Error::QueueFull {
+                queue: "send queue",
+                depth: core.sq.depth(),
+            })?;
+        wr.wr_id = id;
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: the QP is live; with IBV_SEND_INLINE the provider copies `data` during the
+        // call, so the borrow need not outlive it.
+        let rc = unsafe { ops::post_send(core.qp, &mut wr, &mut bad) };
+        if rc != 0 {
+            core.sq.unfill(id);
+            return Err(Error::PostSend {
+                qpn: core.qpn,
+                source: rc_error(rc),
+            });
+        }
+        core.sq.advance(&mut core.sq_head);
+        Ok(())
+    }
+}
+
+impl QueuePair<Rc> {
+    /// SEND `bufs` (see [`SendRequest::send`]).
+    ///
+    /// # Errors
+    /// As [`post_send`](Self::post_send).
+    pub fn send(
+        &mut self,
+        bufs: impl Into<SgList>,
+        wr_id: u64,
+    ) -> Result<(), PostError<SendRequest>> {
+        self.post_send(SendRequest::send(bufs).wr_id(wr_id))
+    }
+    /// RDMA WRITE `bufs` to `remote`.
+    ///
+    /// # Errors
+    /// As [`post_send`](Self::post_send).
+    pub fn write(
+        &mut self,
+        bufs: impl Into<SgList>,
+        remote: RemoteMemory,
+        wr_id: u64,
+    ) -> Result<(), PostError<SendRequest>> {
+        self.post_send(SendRequest::write(bufs, remote).wr_id(wr_id))
+    }
+    /// RDMA READ `remote` into `bufs`.
+    ///
+    /// # Errors
+    /// As [`post_send`](Self::post_send).
+    pub fn read(
+        &mut self,
+        bufs: impl Into<SgList>,
+        remote: RemoteMemory,
+        wr_id: u64,
+    ) -> Result<(), PostError<SendRequest>> {
+        self.post_send(SendRequest::read(bufs, remote).wr_id(wr_id))
+    }
+}
+
+impl QueuePair<Uc> {
+    /// SEND `bufs`.
+    ///
+    /// # Errors
+    /// As [`post_send`](Self::post_send).
+    pub fn send(
+        &mut self,
+        bufs: impl Into<SgList>,
+        wr_id: u64,
+    ) -> Result<(), PostError<SendRequest>> {
+        self.post_send(SendRequest::send(bufs).wr_id(wr_id))
+    }
+    /// RDMA WRITE `bufs` to `remote`.
+    ///
+    /// # Errors
+    /// As [`post_send`](Self::post_send).
+    pub fn write(
+        &mut self,
+        bufs: impl Into<SgList>,
+        remote: RemoteMemory,
+        wr_id: u64,
+    ) -> Result<(), PostError<SendRequest>> {
+        self.post_send(SendRequest::write(bufs, remote).wr_id(wr_id))
+    }
+}
+
+impl QueuePair<Ud> {
+    /// An address handle + QPN + Q_Key for sending to `remote` from this QP's port and GID.
+    ///
+    /// # Errors
+    /// [`Error::CreateAh`].
+    pub fn dest(&self, remote: &Endpoint) -> Result<UdDest> {
+        let p = self.core.p;
+        let attr = AhAttr::to_endpoint(remote, p.port, p.gid_index.unwrap_or(0));
+        let ah = self.core.pd.create_ah(&attr)?;
+        Ok(UdDest {
+            ah,
+            qpn: remote.qpn,
+            qkey: remote.qkey,
+        })
+    }
+
+    /// UD SEND of `bufs` to `dest` (at most one path MTU).
+    ///
+    /// # Errors
+    /// As [`post_send`](Self::post_send).
+    pub fn send_to(
+        &mut self,
+        bufs: impl Into<SgList>,
+        dest: &UdDest,
+        wr_id: u64,
+    ) -> Result<(), PostError<SendRequest>> {
+        self.post_send(SendRequest::send_to(bufs, dest.clone()).wr_id(wr_id))
+    }
+}
