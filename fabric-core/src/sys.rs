@@ -342,3 +342,142 @@ pub fn map_shared(fd: BorrowedFd<'_>, len: usize) -> Result<memmap2::MmapRaw> {
         .map_raw(&fd)
         .map_err(|e| Error::io("mmap", e))
 }
+
+/// Starts a non-blocking TCP connect (`EINPROGRESS` is success); finish it with
+/// [`connect_finished`].
+///
+/// # Errors
+/// [`Error::Io`] when the socket cannot be created or the connect fails at once.
+pub fn tcp_connect_start(addr: std::net::SocketAddr) -> Result<std::net::TcpStream> {
+    use std::net::SocketAddr;
+    let domain = match addr {
+        SocketAddr::V4(_) => libc::AF_INET,
+        SocketAddr::V6(_) => libc::AF_INET6,
+    };
+    // SAFETY: plain arguments.
+    let fd = cvt("socket", unsafe {
+        libc::socket(
+            domain,
+            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            0,
+        )
+    })?;
+    // SAFETY: fresh descriptor we own.
+    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: zeroed sockaddr_storage is valid; we fill the variant matching `domain`.
+    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let len = match addr {
+        SocketAddr::V4(a) => {
+            // SAFETY: sockaddr_storage is large and aligned enough for sockaddr_in.
+            let sin = unsafe { &mut *(&mut ss as *mut _ as *mut libc::sockaddr_in) };
+            sin.sin_family = libc::AF_INET as libc::sa_family_t;
+            sin.sin_port = a.port().to_be();
+            sin.sin_addr.s_addr = u32::from_ne_bytes(a.ip().octets());
+            std::mem::size_of::<libc::sockaddr_in>()
+        }
+        SocketAddr::V6(a) => {
+            // SAFETY: sockaddr_storage is large and aligned enough for sockaddr_in6.
+            let sin6 = unsafe { &mut *(&mut ss as *mut _ as *mut libc::sockaddr_in6) };
+            sin6.sin6_family = libc::AF_INET6 as libc::sa_family_t;
+            sin6.sin6_port = a.port().to_be();
+            sin6.sin6_addr.s6_addr = a.ip().octets();
+            sin6.sin6_flowinfo = a.flowinfo();
+            sin6.sin6_scope_id = a.scope_id();
+            std::mem::size_of::<libc::sockaddr_in6>()
+        }
+    };
+    // SAFETY: `ss` holds a valid address of `len` bytes.
+    let r = unsafe {
+        libc::connect(
+            fd,
+            (&ss as *const libc::sockaddr_storage).cast(),
+            len as libc::socklen_t,
+        )
+    };
+    if r < 0 {
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EINPROGRESS) {
+            return Err(Error::io("connect", e));
+        }
+    }
+    Ok(std::net::TcpStream::from(owned))
+}
+
+/// Whether a non-blocking connect finished: `Ok(true)` connected, `Ok(false)` not yet.
+///
+/// # Errors
+/// [`Error::Io`] with the connect's error (`SO_ERROR`).
+pub fn connect_finished(s: &std::net::TcpStream) -> Result<bool> {
+    let mut p = libc::pollfd {
+        fd: s.as_raw_fd(),
+        events: libc::POLLOUT,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, zero timeout.
+    let r = unsafe { libc::poll(&mut p, 1, 0) };
+    if r <= 0 {
+        return Ok(false);
+    }
+    match s.take_error() {
+        Ok(None) => Ok(true),
+        Ok(Some(e)) | Err(e) => Err(Error::io("connect", e)),
+    }
+}
+
+/// `writev` of `a` then `len_b` bytes at `b`; returns bytes written, `Ok(0)` when the
+/// socket would block.
+///
+/// # Safety
+/// `b` must be valid for reads of `len_b` bytes for the duration of the call.
+///
+/// # Errors
+/// [`Error::Io`] for socket failures (EPIPE/ECONNRESET included).
+pub unsafe fn writev2(fd: BorrowedFd<'_>, a: &[u8], b: *const u8, len_b: usize) -> Result<usize> {
+    let iov = [
+        libc::iovec {
+            iov_base: a.as_ptr() as *mut libc::c_void,
+            iov_len: a.len(),
+        },
+        libc::iovec {
+            iov_base: b as *mut libc::c_void,
+            iov_len: len_b,
+        },
+    ];
+    loop {
+        // SAFETY: both iovecs describe readable memory (caller contract for `b`).
+        let r = unsafe { libc::writev(fd.as_raw_fd(), iov.as_ptr(), 2) };
+        if r >= 0 {
+            return Ok(r as usize);
+        }
+        let e = io::Error::last_os_error();
+        match e.kind() {
+            io::ErrorKind::Interrupted => continue,
+            io::ErrorKind::WouldBlock => return Ok(0),
+            _ => return Err(Error::io("writev", e)),
+        }
+    }
+}
+
+/// `read` into `len` bytes at `dst`; `Ok(None)` when it would block, `Ok(Some(0))` at end
+/// of stream.
+///
+/// # Safety
+/// `dst` must be valid for writes of `len` bytes for the duration of the call.
+///
+/// # Errors
+/// [`Error::Io`] for socket failures.
+pub unsafe fn read_raw(fd: BorrowedFd<'_>, dst: *mut u8, len: usize) -> Result<Option<usize>> {
+    loop {
+        // SAFETY: caller guarantees `dst` is writable for `len` bytes.
+        let r = unsafe { libc::read(fd.as_raw_fd(), dst.cast(), len) };
+        if r >= 0 {
+            return Ok(Some(r as usize));
+        }
+        let e = io::Error::last_os_error();
+        match e.kind() {
+            io::ErrorKind::Interrupted => continue,
+            io::ErrorKind::WouldBlock => return Ok(None),
+            _ => return Err(Error::io("read", e)),
+        }
+    }
+}

@@ -1,0 +1,946 @@
+//! `tcp`: any two hosts, no special hardware.
+//!
+//! One non-blocking, `TCP_NODELAY` stream per connection carrying 56-byte framed headers
+//! (decoded by the pure [`decode_header`], lengths limited) and payloads. One-sided
+//! operations are emulated with the same semantics and errors as shm/verbs: a WRITE frame
+//! carries the data and is answered by an ACK with a status; READ and ATOMIC are requests
+//! answered by responses carrying data / the old value. The target checks key, access and
+//! bounds against its own registrations ([`Tracker::check_target`]); a refusal is a
+//! [`Status::RemoteAccess`] completion at the initiator. Responses echo the initiator's
+//! slot token, which the tracker validates (a forged or stale token is a protocol error).
+//!
+//! Backpressure: the owed-response queue is bounded; when it is full, or when a message
+//! arrives with no receive posted, the backend stops reading the socket and TCP flow
+//! control pushes back on the peer.
+#![allow(unsafe_code)]
+
+use std::collections::VecDeque;
+use std::io;
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::time::Instant;
+
+use super::{next_conn_id, BackendEntry, Connector, Endpoint, Hal, Listener, Options};
+use crate::error::{DecodeError, Error, Result};
+use crate::region::{Access, Region};
+use crate::sys;
+use crate::tracker::{OpDesc, Token, Tracker};
+use crate::transport::{
+    AtomicOp, Capabilities, MemoryKinds, MessageOrdering, Status, Transport, TransportKind,
+};
+
+/// The registry entry.
+pub static ENTRY: BackendEntry = BackendEntry {
+    kind: TransportKind::Tcp,
+    probe: || Ok(()),
+    listen: |o| Ok(Box::new(TcpListenerT::bind(o)?)),
+    connect: |a, o| Ok(Box::new(TcpConnector::connect(a, o)?)),
+};
+
+const HELLO_MAGIC: u64 = 0x3150_4354_4246_4246; // "FBFBTCP1"
+const HELLO_LEN: usize = 16;
+/// Bytes of a frame header.
+pub const FRAME_HEADER: usize = 56;
+/// Largest payload a frame may announce.
+pub const MAX_FRAME_PAYLOAD: u64 = 1 << 30;
+const STAGING: usize = 256 << 10;
+const DIRECT_MIN: usize = 16 << 10;
+
+/// Frame types.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FrameKind {
+    /// Two-sided message (payload).
+    Send = 1,
+    /// One-sided write (payload), answered by `WriteAck`.
+    Write = 2,
+    /// One-sided read request (no payload; `len` = bytes wanted).
+    ReadReq = 3,
+    /// Atomic request (no payload).
+    AtomicReq = 4,
+    /// Write acknowledgement with a status.
+    WriteAck = 5,
+    /// Read response (payload when the status is success).
+    ReadResp = 6,
+    /// Atomic response (`aux0` = old value).
+    AtomicResp = 7,
+}
+
+/// A decoded frame header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FrameHeader {
+    /// The type.
+    pub kind: FrameKind,
+    /// Status (responses): 0 success, 1 remote access error.
+    pub status: u8,
+    /// Atomic op: 1 compare-swap, 2 fetch-add.
+    pub op: u8,
+    /// Payload bytes that follow (`ReadReq`: bytes requested).
+    pub len: u32,
+    /// Initiator's slot token (one-sided ops).
+    pub token: u64,
+    /// Target region key.
+    pub key: u64,
+    /// Target offset.
+    pub offset: u64,
+    /// Target region id.
+    pub region: u32,
+    /// Operand / result.
+    pub aux0: u64,
+    /// Second operand.
+    pub aux1: u64,
+}
+
+impl FrameHeader {
+    fn new(kind: FrameKind) -> Self {
+        FrameHeader {
+            kind,
+            status: 0,
+            op: 0,
+            len: 0,
+            token: 0,
+            key: 0,
+            offset: 0,
+            region: 0,
+            aux0: 0,
+            aux1: 0,
+        }
+    }
+
+    /// Encodes the header.
+    pub fn encode(&self) -> [u8; FRAME_HEADER] {
+        let mut b = [0u8; FRAME_HEADER];
+        b[0] = self.kind as u8;
+        b[1] = self.status;
+        b[2] = self.op;
+        b[4..8].copy_from_slice(&self.len.to_le_bytes());
+        b[8..16].copy_from_slice(&self.token.to_le_bytes());
+        b[16..24].copy_from_slice(&self.key.to_le_bytes());
+        b[24..32].copy_from_slice(&self.offset.to_le_bytes());
+        b[32..36].copy_from_slice(&self.region.to_le_bytes());
+        b[40..48].copy_from_slice(&self.aux0.to_le_bytes());
+        b[48..56].copy_from_slice(&self.aux1.to_le_bytes());
+        b
+    }
+}
+
+/// Decodes a frame header from a peer.
+///
+/// # Errors
+/// A [`DecodeError`] for a short buffer, an unknown type, status or atomic op, or a
+/// length over [`MAX_FRAME_PAYLOAD`].
+pub fn decode_header(b: &[u8]) -> std::result::Result<FrameHeader, DecodeError> {
+    if b.len() < FRAME_HEADER {
+        return Err(DecodeError::Truncated {
+            what: "tcp frame header",
+            need: FRAME_HEADER,
+            got: b.len(),
+        });
+    }
+    let u64_at = |o: usize| {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(&b[o..o + 8]);
+        u64::from_le_bytes(a)
+    };
+    let kind = match b[0] {
+        1 => FrameKind::Send,
+        2 => FrameKind::Write,
+        3 => FrameKind::ReadReq,
+        4 => FrameKind::AtomicReq,
+        5 => FrameKind::WriteAck,
+        6 => FrameKind::ReadResp,
+        7 => FrameKind::AtomicResp,
+        v => {
+            return Err(DecodeError::Invalid {
+                what: "tcp frame type",
+                value: v as u64,
+            })
+        }
+    };
+    if b[1] > 1 {
+        return Err(DecodeError::Invalid {
+            what: "tcp frame status",
+            value: b[1] as u64,
+        });
+    }
+    if kind == FrameKind::AtomicReq && !(1..=2).contains(&b[2]) {
+        return Err(DecodeError::Invalid {
+            what: "tcp atomic op",
+            value: b[2] as u64,
+        });
+    }
+    let len = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+    if len as u64 > MAX_FRAME_PAYLOAD {
+        return Err(DecodeError::TooLong {
+            what: "tcp frame",
+            len: len as u64,
+            max: MAX_FRAME_PAYLOAD,
+        });
+    }
+    let carries = matches!(
+        kind,
+        FrameKind::Send | FrameKind::Write | FrameKind::ReadResp
+    );
+    if !carries && kind != FrameKind::ReadReq && len != 0 {
+        return Err(DecodeError::Invalid {
+            what: "tcp frame length for a frame without payload",
+            value: len as u64,
+        });
+    }
+    Ok(FrameHeader {
+        kind,
+        status: b[1],
+        op: b[2],
+        len,
+        token: u64_at(8),
+        key: u64_at(16),
+        offset: u64_at(24),
+        region: u32::from_le_bytes([b[32], b[33], b[34], b[35]]),
+        aux0: u64_at(40),
+        aux1: u64_at(48),
+    })
+}
+
+fn hello() -> [u8; HELLO_LEN] {
+    let mut b = [0u8; HELLO_LEN];
+    b[..8].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
+    b
+}
+
+fn setup(s: &TcpStream) -> Result<()> {
+    s.set_nonblocking(true)
+        .map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
+    s.set_nodelay(true)
+        .map_err(|e| Error::io("setsockopt(TCP_NODELAY)", e))?;
+    Ok(())
+}
+
+/// Non-blocking exchange of the 16-byte hello: `Ok(true)` once the peer's arrived.
+fn hello_step(
+    s: &TcpStream,
+    sent: &mut bool,
+    got: &mut [u8; HELLO_LEN],
+    n: &mut usize,
+) -> Result<bool> {
+    use std::io::{Read, Write};
+    if !*sent {
+        match (&*s).write(&hello()) {
+            Ok(HELLO_LEN) => *sent = true,
+            Ok(_) => return Err(Error::Protocol("short tcp hello write".into())),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+            Err(e) => return Err(Error::io("tcp hello write", e)),
+        }
+    }
+    while *n < HELLO_LEN {
+        match (&*s).read(&mut got[*n..]) {
+            Ok(0) => {
+                return Err(Error::Disconnected(
+                    "peer closed during the tcp hello".into(),
+                ))
+            }
+            Ok(k) => *n += k,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+            Err(e) => return Err(Error::io("tcp hello read", e)),
+        }
+    }
+    if got[..8] != HELLO_MAGIC.to_le_bytes() {
+        return Err(Error::Protocol("not a fabric tcp peer (bad hello)".into()));
+    }
+    Ok(true)
+}
+
+/// A TCP listener (binds `Options::tcp_bind`, loopback by default).
+#[derive(Debug)]
+pub struct TcpListenerT {
+    sock: TcpListener,
+    address: String,
+    opts: Options,
+    pending: Vec<(TcpStream, bool, [u8; HELLO_LEN], usize, Instant)>,
+}
+
+impl TcpListenerT {
+    /// Binds.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the address cannot be bound.
+    pub fn bind(opts: &Options) -> Result<Self> {
+        let sock = TcpListener::bind(&opts.tcp_bind).map_err(|e| Error::io("bind(tcp)", e))?;
+        sock.set_nonblocking(true)
+            .map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
+        let a = sock.local_addr().map_err(|e| Error::io("getsockname", e))?;
+        Ok(TcpListenerT {
+            sock,
+            address: format!("tcp:{a}"),
+            opts: opts.clone(),
+            pending: Vec::new(),
+        })
+    }
+}
+
+impl Listener for TcpListenerT {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Tcp
+    }
+    fn address(&self) -> &str {
+        &self.address
+    }
+    fn accept(&mut self) -> Result<Option<Box<dyn Transport>>> {
+        loop {
+            match self.sock.accept() {
+                Ok((s, _)) => {
+                    if setup(&s).is_ok() {
+                        let end = Instant::now() + self.opts.handshake_timeout;
+                        self.pending.push((s, false, [0; HELLO_LEN], 0, end));
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(Error::io("accept(tcp)", e)),
+            }
+        }
+        let mut i = 0;
+        while i < self.pending.len() {
+            let (s, sent, got, n, end) = &mut self.pending[i];
+            match hello_step(s, sent, got, n) {
+                Ok(true) => {
+                    let (s, ..) = self.pending.swap_remove(i);
+                    return Ok(Some(finish(s, &self.opts)?));
+                }
+                Ok(false) if Instant::now() < *end => i += 1,
+                _ => {
+                    // Garbage, hang-up or too slow: drop this one, keep serving.
+                    self.pending.swap_remove(i);
+                }
+            }
+        }
+        Ok(None)
+    }
+}
+
+/// Connects to a [`TcpListenerT`] (address `HOST:PORT` without the `tcp:` prefix).
+#[derive(Debug)]
+pub struct TcpConnector {
+    s: TcpStream,
+    connected: bool,
+    sent: bool,
+    got: [u8; HELLO_LEN],
+    n: usize,
+    end: Instant,
+    opts: Options,
+}
+
+impl TcpConnector {
+    /// Starts a non-blocking connect.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an address that does not resolve; [`Error::Io`].
+    pub fn connect(address: &str, opts: &Options) -> Result<Self> {
+        let addr: SocketAddr = address
+            .to_socket_addrs()
+            .map_err(|e| Error::InvalidArgument(format!("tcp address {address:?}: {e}")))?
+            .next()
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!("tcp address {address:?} resolves to nothing"))
+            })?;
+        let s = sys::tcp_connect_start(addr)?;
+        Ok(TcpConnector {
+            s,
+            connected: false,
+            sent: false,
+            got: [0; HELLO_LEN],
+            n: 0,
+            end: Instant::now() + opts.handshake_timeout,
+            opts: opts.clone(),
+        })
+    }
+}
+
+impl Connector for TcpConnector {
+    fn poll_connect(&mut self) -> Result<Option<Box<dyn Transport>>> {
+        if Instant::now() > self.end {
+            return Err(Error::Timeout("tcp connect"));
+        }
+        if !self.connected {
+            if !sys::connect_finished(&self.s)? {
+                return Ok(None);
+            }
+            self.connected = true;
+            setup(&self.s)?;
+        }
+        if !hello_step(&self.s, &mut self.sent, &mut self.got, &mut self.n)? {
+            return Ok(None);
+        }
+        let s = self.s.try_clone().map_err(|e| Error::io("dup", e))?;
+        Ok(Some(finish(s, &self.opts)?))
+    }
+}
+
+fn finish(sock: TcpStream, opts: &Options) -> Result<Box<dyn Transport>> {
+    let epoll = sys::epoll_of(&[sock.as_fd()])?;
+    let conn = next_conn_id();
+    let caps = Capabilities {
+        ordering: MessageOrdering::InOrder,
+        one_sided: true,
+        atomics: true,
+        max_message: opts.max_message.min(MAX_FRAME_PAYLOAD as usize),
+        max_in_flight: opts.max_in_flight,
+        inline_size: 0,
+        memory_kinds: MemoryKinds::HOST,
+    };
+    let hal = TcpHal {
+        conn,
+        sock,
+        epoll,
+        epoll_out: false,
+        tx: None,
+        owed: VecDeque::with_capacity(2 * opts.max_in_flight),
+        owed_cap: 2 * opts.max_in_flight,
+        staging: vec![0u8; STAGING].into_boxed_slice(),
+        start: 0,
+        end: 0,
+        rx: Rx::Header,
+        eof: false,
+    };
+    Ok(Box::new(Endpoint::new(
+        Tracker::new(conn, TransportKind::Tcp, caps),
+        hal,
+    )))
+}
+
+/// A frame being written.
+#[derive(Debug)]
+struct TxFrame {
+    hdr: [u8; FRAME_HEADER],
+    payload: *const u8,
+    len: usize,
+    sent: usize,
+    /// The submission this frame carries (completed / left awaiting a response when sent).
+    token: Option<(Token, bool)>,
+    /// Keeps a response's source region alive.
+    _keep: Option<Region>,
+}
+
+// SAFETY: `payload` points into a region kept alive by the tracker (submissions) or by
+// `_keep` (responses); the frame is only used by the connection that owns it.
+unsafe impl Send for TxFrame {}
+
+/// A response we owe the peer.
+#[derive(Debug)]
+struct Owed {
+    hdr: FrameHeader,
+    src: Option<(Region, usize)>,
+}
+
+#[derive(Debug)]
+enum Rx {
+    Header,
+    /// Copy `left` more payload bytes to `dst` (if any), then run `then`.
+    Payload {
+        dst: Option<*mut u8>,
+        left: usize,
+        then: Then,
+        _keep: Option<Region>,
+    },
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Then {
+    CompleteRecv(Token, usize),
+    Ack(FrameHeader),
+    CompleteRead(Token, usize),
+    Nothing,
+}
+
+#[derive(Debug)]
+struct TcpHal {
+    conn: u64,
+    sock: TcpStream,
+    epoll: OwnedFd,
+    epoll_out: bool,
+    tx: Option<TxFrame>,
+    owed: VecDeque<Owed>,
+    owed_cap: usize,
+    staging: Box<[u8]>,
+    start: usize,
+    end: usize,
+    rx: Rx,
+    eof: bool,
+}
+
+// SAFETY: the raw pointers in `rx` point into regions kept alive by the tracker or
+// `_keep`; the hal is used by one thread at a time (`&mut`).
+unsafe impl Send for TcpHal {}
+
+fn status_code(s: Status) -> u8 {
+    (s != Status::Success) as u8
+}
+fn code_status(c: u8) -> Status {
+    if c == 0 {
+        Status::Success
+    } else {
+        Status::RemoteAccess
+    }
+}
+
+impl TcpHal {
+    /// Picks the next frame to write: responses first, then the front submission.
+    fn next_frame(&mut self, t: &mut Tracker) -> Option<TxFrame> {
+        if let Some(o) = self.owed.pop_front() {
+            let (payload, keep) = match &o.src {
+                // SAFETY: the offset was checked against the region by `check_target`.
+                Some((r, off)) => (unsafe { r.base().add(*off) } as *const u8, Some(r.clone())),
+                None => (std::ptr::null(), None),
+            };
+            let len = if o.src.is_some() {
+                o.hdr.len as usize
+            } else {
+                0
+            };
+            return Some(TxFrame {
+                hdr: o.hdr.encode(),
+                payload,
+                len,
+                sent: 0,
+                token: None,
+                _keep: keep,
+            });
+        }
+        let token = t.submit_pop()?;
+        let p = t.get(token).expect("queued token is live");
+        let len = p.buf.len();
+        let (mut h, payload, plen, awaits) = match p.desc {
+            OpDesc::Send => (
+                FrameHeader::new(FrameKind::Send),
+                p.buf.as_ptr() as *const u8,
+                len,
+                false,
+            ),
+            OpDesc::Write { key, off } => {
+                let mut h = FrameHeader::new(FrameKind::Write);
+                h.key = key.key;
+                h.offset = off;
+                h.region = key.region;
+                (h, p.buf.as_ptr() as *const u8, len, true)
+            }
+            OpDesc::Read { key, off } => {
+                let mut h = FrameHeader::new(FrameKind::ReadReq);
+                h.key = key.key;
+                h.offset = off;
+                h.region = key.region;
+                (h, std::ptr::null(), 0, true)
+            }
+            OpDesc::Atomic { key, off, op } => {
+                let mut h = FrameHeader::new(FrameKind::AtomicReq);
+                h.key = key.key;
+                h.offset = off;
+                h.region = key.region;
+                match op {
+                    AtomicOp::CompareSwap { expect, new } => {
+                        h.op = 1;
+                        h.aux0 = expect;
+                        h.aux1 = new;
+                    }
+                    AtomicOp::FetchAdd { add } => {
+                        h.op = 2;
+                        h.aux0 = add;
+                    }
+                }
+                (h, std::ptr::null(), 0, true)
+            }
+            OpDesc::Recv => unreachable!("receives are not submissions"),
+        };
+        if h.kind != FrameKind::AtomicReq {
+            h.len = len as u32;
+        }
+        h.token = token.0;
+        Some(TxFrame {
+            hdr: h.encode(),
+            payload,
+            len: plen,
+            sent: 0,
+            token: Some((token, awaits)),
+            _keep: None,
+        })
+    }
+
+    /// Writes as much as the socket takes. Returns whether anything moved.
+    fn flush(&mut self, t: &mut Tracker) -> Result<bool> {
+        let mut moved = false;
+        loop {
+            if self.tx.is_none() {
+                self.tx = self.next_frame(t);
+            }
+            let Some(f) = self.tx.as_mut() else {
+                return Ok(moved);
+            };
+            let total = FRAME_HEADER + f.len;
+            while f.sent < total {
+                let n = if f.sent < FRAME_HEADER {
+                    // SAFETY: `payload` is valid for `len` bytes (see TxFrame).
+                    unsafe { sys::writev2(self.sock.as_fd(), &f.hdr[f.sent..], f.payload, f.len)? }
+                } else {
+                    let o = f.sent - FRAME_HEADER;
+                    // SAFETY: o < len, so payload + o is valid for len - o bytes.
+                    unsafe { sys::writev2(self.sock.as_fd(), &[], f.payload.add(o), f.len - o)? }
+                };
+                if n == 0 {
+                    return Ok(moved);
+                }
+                f.sent += n;
+                moved = true;
+            }
+            if let Some((token, awaits)) = f.token {
+                if !awaits {
+                    t.complete(token, Status::Success, f.len, 0);
+                }
+            }
+            self.tx = None;
+        }
+    }
+
+    /// Reads and dispatches frames. Returns whether anything moved.
+    fn receive(&mut self, t: &mut Tracker) -> Result<bool> {
+        let mut moved = false;
+        loop {
+            if let Rx::Payload {
+                dst, left, then, ..
+            } = &self.rx
+            {
+                let (mut d, mut l, then) = (*dst, *left, *then);
+                if l > 0 {
+                    let avail = self.end - self.start;
+                    let mut stop = false;
+                    if avail > 0 {
+                        let n = avail.min(l);
+                        if let Some(p) = d {
+                            // SAFETY: `p` has `l` writable bytes (checked when the header
+                            // was dispatched); staging[start..start + n] is initialised.
+                            unsafe {
+                                std::ptr::copy_nonoverlapping(
+                                    self.staging.as_ptr().add(self.start),
+                                    p,
+                                    n,
+                                );
+                                d = Some(p.add(n));
+                            }
+                        }
+                        self.start += n;
+                        l -= n;
+                        moved = true;
+                    } else if l >= DIRECT_MIN && d.is_some() && !self.eof {
+                        let p = d.expect("checked");
+                        // SAFETY: `p` has `l` writable bytes.
+                        match unsafe { sys::read_raw(self.sock.as_fd(), p, l)? } {
+                            None => stop = true,
+                            Some(0) => {
+                                self.eof = true;
+                                stop = true;
+                            }
+                            Some(n) => {
+                                // SAFETY: n <= l.
+                                d = Some(unsafe { p.add(n) });
+                                l -= n;
+                                moved = true;
+                            }
+                        }
+                    } else if !self.fill()? {
+                        stop = true;
+                    }
+                    if let Rx::Payload { dst, left, .. } = &mut self.rx {
+                        *dst = d;
+                        *left = l;
+                    }
+                    if stop {
+                        return Ok(moved);
+                    }
+                    continue;
+                }
+                self.rx = Rx::Header;
+                moved = true;
+                match then {
+                    Then::CompleteRecv(tok, len) => {
+                        t.complete(tok, Status::Success, len, 0);
+                    }
+                    Then::CompleteRead(tok, len) => {
+                        t.complete(tok, Status::Success, len, 0);
+                    }
+                    Then::Ack(h) => self.owed.push_back(Owed { hdr: h, src: None }),
+                    Then::Nothing => {}
+                }
+                continue;
+            }
+            match self.rx {
+                Rx::Payload { .. } => unreachable!("handled above"),
+                Rx::Header => {
+                    if self.end - self.start < FRAME_HEADER {
+                        if !self.fill()? {
+                            return Ok(moved);
+                        }
+                        continue;
+                    }
+                    let h = decode_header(&self.staging[self.start..self.start + FRAME_HEADER])?;
+                    if !self.dispatch(t, h)? {
+                        return Ok(moved); // blocked: no receive posted / responses full
+                    }
+                    self.start += FRAME_HEADER;
+                    moved = true;
+                }
+            }
+        }
+    }
+
+    /// Reads more into staging. `Ok(false)` when nothing is available.
+    fn fill(&mut self) -> Result<bool> {
+        if self.eof {
+            return Ok(false);
+        }
+        if self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+        } else if self.end == self.staging.len() {
+            self.staging.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        let room = self.staging.len() - self.end;
+        // SAFETY: staging[end..] is `room` writable bytes.
+        match unsafe {
+            sys::read_raw(
+                self.sock.as_fd(),
+                self.staging.as_mut_ptr().add(self.end),
+                room,
+            )?
+        } {
+            None => Ok(false),
+            Some(0) => {
+                self.eof = true;
+                Ok(false)
+            }
+            Some(n) => {
+                self.end += n;
+                Ok(true)
+            }
+        }
+    }
+
+    /// Acts on a header. `Ok(false)` = cannot now (leave it in staging).
+    fn dispatch(&mut self, t: &mut Tracker, h: FrameHeader) -> Result<bool> {
+        let len = h.len as usize;
+        let owes_response = matches!(
+            h.kind,
+            FrameKind::Write | FrameKind::ReadReq | FrameKind::AtomicReq
+        );
+        if owes_response && self.owed.len() >= self.owed_cap {
+            return Ok(false);
+        }
+        let proto = |what: &str| Err(Error::Protocol(format!("tcp: {what}")));
+        match h.kind {
+            FrameKind::Send => {
+                let Some(tok) = t.recv_front() else {
+                    return Ok(false);
+                };
+                t.recv_pop();
+                let p = t.get(tok).expect("live recv");
+                if len > p.buf.len() {
+                    t.complete(tok, Status::MessageTooLong, len, 0);
+                    self.rx = Rx::Payload {
+                        dst: None,
+                        left: len,
+                        then: Then::Nothing,
+                        _keep: None,
+                    };
+                } else {
+                    self.rx = Rx::Payload {
+                        dst: Some(p.buf.as_ptr()),
+                        left: len,
+                        then: Then::CompleteRecv(tok, len),
+                        _keep: None,
+                    };
+                }
+            }
+            FrameKind::Write => {
+                let mut ack = FrameHeader::new(FrameKind::WriteAck);
+                ack.token = h.token;
+                match t.check_target(h.region, h.key, h.offset, len as u64, Access::REMOTE_WRITE) {
+                    Ok(r) => {
+                        // SAFETY: offset + len within the region (check_target).
+                        let d = unsafe { r.base().add(h.offset as usize) };
+                        self.rx = Rx::Payload {
+                            dst: Some(d),
+                            left: len,
+                            then: Then::Ack(ack),
+                            _keep: Some(r.clone()),
+                        };
+                    }
+                    Err(st) => {
+                        ack.status = status_code(st);
+                        self.rx = Rx::Payload {
+                            dst: None,
+                            left: len,
+                            then: Then::Ack(ack),
+                            _keep: None,
+                        };
+                    }
+                }
+            }
+            FrameKind::ReadReq => {
+                let mut resp = FrameHeader::new(FrameKind::ReadResp);
+                resp.token = h.token;
+                match t.check_target(h.region, h.key, h.offset, len as u64, Access::REMOTE_READ) {
+                    Ok(r) => {
+                        resp.len = h.len;
+                        self.owed.push_back(Owed {
+                            hdr: resp,
+                            src: Some((r.clone(), h.offset as usize)),
+                        });
+                    }
+                    Err(st) => {
+                        resp.status = status_code(st);
+                        self.owed.push_back(Owed {
+                            hdr: resp,
+                            src: None,
+                        });
+                    }
+                }
+            }
+            FrameKind::AtomicReq => {
+                let mut resp = FrameHeader::new(FrameKind::AtomicResp);
+                resp.token = h.token;
+                let r = if h.offset % 8 != 0 {
+                    Err(Status::RemoteAccess)
+                } else {
+                    t.check_target(h.region, h.key, h.offset, 8, Access::REMOTE_ATOMIC)
+                };
+                match r.map(|r| r.atomic_at(h.offset as usize)) {
+                    Ok(Ok(a)) => {
+                        use std::sync::atomic::Ordering::SeqCst;
+                        resp.aux0 = if h.op == 1 {
+                            match a.compare_exchange(h.aux0, h.aux1, SeqCst, SeqCst) {
+                                Ok(v) | Err(v) => v,
+                            }
+                        } else {
+                            a.fetch_add(h.aux0, SeqCst)
+                        };
+                    }
+                    _ => resp.status = 1,
+                }
+                self.owed.push_back(Owed {
+                    hdr: resp,
+                    src: None,
+                });
+            }
+            FrameKind::WriteAck => {
+                let tok = Token(h.token);
+                match t.get(tok).map(|p| p.desc) {
+                    Some(OpDesc::Write { .. }) => {
+                        let n = t.get(tok).map_or(0, |p| p.buf.len());
+                        t.complete(tok, code_status(h.status), n, 0);
+                    }
+                    _ => return proto("write ack for no write"),
+                }
+            }
+            FrameKind::ReadResp => {
+                let tok = Token(h.token);
+                let Some(p) = t.get(tok) else {
+                    return proto("read response for no read");
+                };
+                if !matches!(p.desc, OpDesc::Read { .. }) {
+                    return proto("read response for no read");
+                }
+                if h.status != 0 {
+                    if len != 0 {
+                        return proto("failed read response with data");
+                    }
+                    t.complete(tok, Status::RemoteAccess, 0, 0);
+                } else {
+                    if len != p.buf.len() {
+                        return proto("read response of the wrong length");
+                    }
+                    self.rx = Rx::Payload {
+                        dst: Some(p.buf.as_ptr()),
+                        left: len,
+                        then: Then::CompleteRead(tok, len),
+                        _keep: None,
+                    };
+                }
+            }
+            FrameKind::AtomicResp => {
+                let tok = Token(h.token);
+                match t.get(tok) {
+                    Some(p) if matches!(p.desc, OpDesc::Atomic { .. }) => {
+                        if h.status == 0 {
+                            let _ = p.buf.copy_from(&h.aux0.to_ne_bytes());
+                        }
+                        t.complete(tok, code_status(h.status), 8, h.aux0);
+                    }
+                    _ => return proto("atomic response for no atomic"),
+                }
+            }
+        }
+        Ok(true)
+    }
+}
+
+impl Hal for TcpHal {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Tcp
+    }
+
+    fn register(&mut self, t: &mut Tracker, len: usize, access: Access) -> Result<Region> {
+        let r = Region::anonymous(
+            t.next_region_id(),
+            self.conn,
+            TransportKind::Tcp,
+            access,
+            len,
+        )?;
+        t.add_region(r.clone());
+        Ok(r)
+    }
+
+    fn progress(&mut self, t: &mut Tracker) -> Result<()> {
+        if self.epoll_out {
+            self.epoll_out = false;
+            sys::epoll_set(self.epoll.as_fd(), self.sock.as_fd(), false, false)?;
+        }
+        let step = (|| -> Result<()> {
+            self.flush(t)?;
+            if self.receive(t)? {
+                // Responses may have been queued.
+                self.flush(t)?;
+            }
+            Ok(())
+        })();
+        match step {
+            Ok(()) if !self.eof => Ok(()),
+            Ok(()) => {
+                t.fail_all(Status::PeerGone, "tcp peer closed the connection");
+                Ok(())
+            }
+            Err(Error::Io { source, .. })
+                if matches!(
+                    source.kind(),
+                    io::ErrorKind::BrokenPipe
+                        | io::ErrorKind::ConnectionReset
+                        | io::ErrorKind::ConnectionAborted
+                ) =>
+            {
+                t.fail_all(Status::PeerGone, format!("tcp peer went away: {source}"));
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    fn wait_fd(&self) -> BorrowedFd<'_> {
+        self.epoll.as_fd()
+    }
+
+    fn arm(&mut self, t: &Tracker) -> Result<bool> {
+        let want_out = self.tx.is_some() || !self.owed.is_empty() || t.has_submissions();
+        if want_out {
+            sys::epoll_set(self.epoll.as_fd(), self.sock.as_fd(), true, false)?;
+            self.epoll_out = true;
+        }
+        Ok(true)
+    }
+}
