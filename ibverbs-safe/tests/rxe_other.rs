@@ -237,10 +237,8 @@ fn rxe_memlock_too_low_is_a_clear_error() {
         rlim_max: 0,
     };
     // SAFETY: valid out-pointer.
-    assert_eq!(
-        unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut old) },
-        0
-    );
+    let rc = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut old) };
+    assert_eq!(rc, 0);
     let low = libc::rlimit {
         rlim_cur: 1 << 20,
         rlim_max: old.rlim_max,
