@@ -3,3 +3,4 @@
 #![forbid(unsafe_code)]
 
 pub mod perf;
+pub mod pingpong_wire;

@@ -31,7 +31,9 @@ list=$(mktemp)
 trap 'rm -f "$list" "$prep_log"' EXIT
 # one line per test executable: <package directory> TAB <executable> (cargo runs tests in
 # their package's directory; the guest does the same)
+# (cargo test also builds the examples as plain programs: keep only test harnesses)
 cargo test "${PKG_ARGS[@]}" --no-run --message-format=json-render-diagnostics |
+  grep '"profile":{[^}]*"test":true' |
   sed -n 's|.*"manifest_path":"\([^"]*\)/Cargo.toml".*"executable":"\([^"]*\)".*|\1\t\2|p' |
   sort -u > "$list.all"
 mv "$list.all" "$list"
