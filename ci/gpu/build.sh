@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds, on a machine without CUDA, everything ci/gpu/run.sh runs on the GPU machine:
-# the nvlink-p2p test binaries (unit tests, no_driver, fd_passing, gpu) and the ipc_bench
-# example, in release mode, stripped, copied to ci/gpu/bin/ (git-ignored).
+# the nvlink-p2p test binaries (unit tests, no_driver, fd_passing, gpu), fabric-core's
+# cuda_ipc backend test, and the ipc_bench / gpu_topology examples, in release mode,
+# stripped, copied to ci/gpu/bin/ (git-ignored).
 #
 # Then hand that folder to the GPU machine with the device tool:
 #   run(command="bash ci/gpu/run.sh", carry=["ci/gpu/bin"], timeout_s=300)
@@ -11,7 +12,8 @@ out=ci/gpu/bin
 rm -rf "$out"
 mkdir -p "$out"
 
-json=$(cargo test --release -p nvlink-p2p --no-run --message-format=json 2>/dev/null)
+json=$(cargo test --release -p nvlink-p2p --no-run --message-format=json 2>/dev/null
+       cargo test --release -p fabric-core --test cuda_ipc --no-run --message-format=json 2>/dev/null)
 cargo build --release -p nvlink-p2p --example ipc_bench --example gpu_topology
 python3 -c '
 import json, shutil, sys

@@ -41,6 +41,22 @@ impl Access {
     }
 }
 
+/// Memory the host cannot address directly (GPU memory of the `cuda-ipc` backend): the
+/// region's byte copies go through the backend's driver instead of `memcpy`.
+#[cfg_attr(fabric_loom, allow(dead_code))]
+pub(crate) trait DeviceBacking: Send + Sync + fmt::Debug {
+    /// Copies `src` in at `offset` (in bounds: checked by the region).
+    fn write(&self, offset: usize, src: &[u8]) -> Result<()>;
+    /// Copies out from `offset` (in bounds: checked by the region).
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()>;
+    /// Fills `len` bytes at `offset` (in bounds: checked by the region).
+    fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<()>;
+    /// The device address of the first byte (what a remote key carries as `addr`).
+    fn addr(&self) -> u64;
+    /// For the backend to get its own type back.
+    fn as_any(&self) -> &dyn std::any::Any;
+}
+
 pub(crate) struct RegionInner {
     pub(crate) id: u32,
     pub(crate) owner: u64,
@@ -51,6 +67,9 @@ pub(crate) struct RegionInner {
     map: MmapRaw,
     /// The memfd behind a shared mapping (shm); `None` for anonymous memory.
     pub(crate) fd: Option<OwnedFd>,
+    /// Device memory (cuda-ipc): then `map` is an unused placeholder page and every byte
+    /// access goes through this.
+    pub(crate) device: Option<Box<dyn DeviceBacking>>,
 }
 
 /// A registration: memory the transport can move bytes from and to, and (with remote
@@ -97,8 +116,46 @@ impl Region {
                 len,
                 map,
                 fd,
+                device: None,
             }),
         }
+    }
+
+    /// A region over device memory (backends that register GPU memory call this).
+    #[cfg_attr(fabric_loom, allow(dead_code))]
+    pub(crate) fn device(
+        id: u32,
+        owner: u64,
+        transport: TransportKind,
+        access: Access,
+        len: usize,
+        memory: Box<dyn DeviceBacking>,
+    ) -> Result<Self> {
+        let placeholder = MmapRaw::from(
+            memmap2::MmapOptions::new()
+                .len(1)
+                .map_anon()
+                .map_err(|e| Error::io("mmap", e))?,
+        );
+        Ok(Region {
+            inner: Arc::new(RegionInner {
+                id,
+                owner,
+                key: random_u64(),
+                access,
+                transport,
+                len,
+                map: placeholder,
+                fd: None,
+                device: Some(memory),
+            }),
+        })
+    }
+
+    /// The device memory behind the region, if it is not host memory.
+    #[cfg_attr(fabric_loom, allow(dead_code))]
+    pub(crate) fn device_backing(&self) -> Option<&dyn DeviceBacking> {
+        self.inner.device.as_deref()
     }
 
     /// Anonymous private memory (backends whose peer never maps it).
@@ -146,7 +203,10 @@ impl Region {
             access: self.inner.access.bits(),
             len: self.inner.len as u64,
             key: self.inner.key,
-            addr: self.base() as u64,
+            addr: match &self.inner.device {
+                Some(d) => d.addr(),
+                None => self.base() as u64,
+            },
             rkey: 0,
         })
     }
@@ -165,6 +225,9 @@ impl Region {
     /// [`Error::OutOfBounds`] if the range is outside the region.
     pub fn write_at(&self, offset: usize, src: &[u8]) -> Result<()> {
         self.check(offset, src.len())?;
+        if let Some(d) = &self.inner.device {
+            return d.write(offset, src);
+        }
         // SAFETY: bounds checked above; the mapping lives as long as `self`; `src` cannot
         // overlap the mapping's bytes as a Rust slice (we never hand one out).
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.base().add(offset), src.len()) };
@@ -177,6 +240,9 @@ impl Region {
     /// [`Error::OutOfBounds`] if the range is outside the region.
     pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         self.check(offset, dst.len())?;
+        if let Some(d) = &self.inner.device {
+            return d.read(offset, dst);
+        }
         // SAFETY: as in `write_at`.
         unsafe {
             std::ptr::copy_nonoverlapping(self.base().add(offset), dst.as_mut_ptr(), dst.len())
@@ -190,6 +256,9 @@ impl Region {
     /// [`Error::OutOfBounds`] if the range is outside the region.
     pub fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<()> {
         self.check(offset, len)?;
+        if let Some(d) = &self.inner.device {
+            return d.fill(offset, len, byte);
+        }
         // SAFETY: bounds checked; mapping alive.
         unsafe { std::ptr::write_bytes(self.base().add(offset), byte, len) };
         Ok(())
@@ -216,6 +285,12 @@ impl Region {
         self.check(offset, 8)?;
         if offset % 8 != 0 {
             return Err(Error::Unaligned);
+        }
+        if self.inner.device.is_some() {
+            return Err(Error::Unsupported {
+                transport: self.inner.transport,
+                what: "host atomics on device memory",
+            });
         }
         // SAFETY: in bounds, 8-byte aligned (mappings are page aligned), the memory lives as
         // long as `&self`; all concurrent accesses to atomics words go through AtomicU64.
@@ -343,6 +418,11 @@ impl Buf {
     /// Raw pointer to the first byte (valid for `len` bytes while `self` lives).
     #[cfg_attr(fabric_loom, allow(dead_code))]
     pub(crate) fn as_ptr(&self) -> *mut u8 {
+        // Host backends only see their own (host) regions: the tracker refuses foreign ones.
+        debug_assert!(
+            self.region.inner.device.is_none(),
+            "host pointer of device memory"
+        );
         // SAFETY: offset <= region len (checked at construction), inside the mapping.
         unsafe { self.region.base().add(self.offset) }
     }

@@ -17,12 +17,13 @@ use crate::transport::{
     AtomicOp, Capabilities, Completion, PostResult, RemoteKey, Transport, TransportKind,
 };
 
+pub mod cuda_ipc;
 pub mod shm;
 pub mod tcp;
 
 /// Every backend this build knows, in automatic-selection preference order.
 /// (A new backend adds its `ENTRY` here.)
-pub static BACKENDS: &[&BackendEntry] = &[&shm::ENTRY, &tcp::ENTRY];
+pub static BACKENDS: &[&BackendEntry] = &[&shm::ENTRY, &tcp::ENTRY, &cuda_ipc::ENTRY];
 
 /// How a backend is found, probed and started.
 pub struct BackendEntry {
