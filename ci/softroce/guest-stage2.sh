@@ -7,7 +7,7 @@
 # Layouts (also exported to the command, see run-in-guest.sh):
 #   lo    rxe0 on lo                                   GID index 1 = ::ffff:127.0.0.1
 #   pair  rxe0 on veth0, rxe1 on veth1 (MTU 9000)      GID index 0 = fe80:: link-local
-#   all   rxe0 on lo (GID 1) + rxe1 on veth0, rxe2 on veth1 (GID 0)
+#   all   pair (rxe0, rxe1: the first two devices, GID 0) + rxe2 on lo (GID 1)
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8
 J=/sr-job
 say() { echo "softroce-guest: $*"; }
@@ -59,7 +59,7 @@ setup_rdma() {
   case "$LAYOUT" in
     lo)   rdma link add rxe0 type rxe netdev lo && wait_gid rxe0 1 ;;
     pair) add_pair rxe0 rxe1 ;;
-    all)  rdma link add rxe0 type rxe netdev lo && wait_gid rxe0 1 && add_pair rxe1 rxe2 ;;
+    all)  add_pair rxe0 rxe1 && rdma link add rxe2 type rxe netdev lo && wait_gid rxe2 1 ;;
     none) true ;;
     *)    echo "unknown layout $LAYOUT"; return 1 ;;
   esac || return 1

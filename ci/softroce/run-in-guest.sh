@@ -8,8 +8,8 @@
 #
 #   --layout L      lo   : rxe0 on the guest's loopback, GID index 1 (::ffff:127.0.0.1)
 #                   pair : veth0<->veth1 (MTU 9000), rxe0 on veth0, rxe1 on veth1, GID index 0
-#                   all  : (default) both in one boot: rxe0 on lo (GID 1), rxe1 on veth0 and
-#                          rxe2 on veth1 (GID 0)
+#                   all  : (default) both in one boot: the pair as rxe0/rxe1 (GID 0; the first
+#                          two devices, as in `pair`) and rxe2 on lo (GID 1)
 #                   none : RDMA modules loaded, no device
 #   --timeout S     seconds the command may run in the guest (default 1200); the whole qemu
 #                   run is killed S+120 s after it started, whatever happens
@@ -201,7 +201,7 @@ trap 'log "terminated"; exit 143' TERM HUP
   case "$LAYOUT" in
     lo) echo "export SOFTROCE_DEV=rxe0 SOFTROCE_GID=1 SOFTROCE_LO_DEV=rxe0 SOFTROCE_LO_GID=1" ;;
     pair) echo "export SOFTROCE_DEV=rxe0 SOFTROCE_GID=0 SOFTROCE_PAIR_DEVS='rxe0 rxe1' SOFTROCE_PAIR_GID=0" ;;
-    all) echo "export SOFTROCE_DEV=rxe0 SOFTROCE_GID=1 SOFTROCE_LO_DEV=rxe0 SOFTROCE_LO_GID=1 SOFTROCE_PAIR_DEVS='rxe1 rxe2' SOFTROCE_PAIR_GID=0" ;;
+    all) echo "export SOFTROCE_DEV=rxe0 SOFTROCE_GID=0 SOFTROCE_LO_DEV=rxe2 SOFTROCE_LO_GID=1 SOFTROCE_PAIR_DEVS='rxe0 rxe1' SOFTROCE_PAIR_GID=0" ;;
   esac
   printf 'cd %q || exit 126\n' "$PWD"
   printf 'exec'
