@@ -62,6 +62,12 @@ const BASE_SYMBOLS: &[&str] = &[
     "cuIpcOpenEventHandle",
 ];
 
+/// The driver entry points [`Cuda::init`] requires (all present since CUDA 10); newer ones
+/// are checked when used ([`Cuda::require`]).
+pub fn required_driver_symbols() -> &'static [&'static str] {
+    BASE_SYMBOLS
+}
+
 /// Turns a `CUresult` into `Ok` or an [`Error::Driver`] naming the call.
 pub(crate) fn check(call: &'static str, r: sys::CUresult) -> Result<()> {
     if r == sys::CUresult::CUDA_SUCCESS {
