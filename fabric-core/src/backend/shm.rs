@@ -470,7 +470,8 @@ struct ShmHal {
 
 enum Step {
     Done,
-    Blocked,
+    /// The ring is full; `true` if some of the operation was copied first.
+    Blocked(bool),
 }
 
 impl ShmHal {
@@ -489,6 +490,7 @@ impl ShmHal {
             OpDesc::Send => {
                 let total = p.buf.len();
                 let mut done = p.progress;
+                let started = done;
                 let src = p.buf.as_ptr();
                 loop {
                     let n = (total - done).min(self.chunk);
@@ -499,7 +501,7 @@ impl ShmHal {
                     };
                     let Some(dst) = self.tx.reserve(kind, aux, n) else {
                         t.get_mut(token).expect("live").progress = done;
-                        return Ok(Step::Blocked);
+                        return Ok(Step::Blocked(done > started));
                     };
                     // SAFETY: `dst` has `n` writable bytes owned by us until commit; `src` is
                     // the buffer's mapping (len `total`), done + n <= total.
@@ -851,8 +853,8 @@ impl Hal for ShmHal {
         while let Some(tok) = t.submit_front() {
             match self.submit_one(t, tok)? {
                 Step::Done => moved = true,
-                Step::Blocked => {
-                    moved = true; // partial progress may have been made
+                Step::Blocked(progressed) => {
+                    moved |= progressed;
                     break;
                 }
             }
