@@ -30,7 +30,7 @@ export NVLINK_P2P_REQUIRE_GPU=1
 export RUST_BACKTRACE=1
 fail=0
 summary=()
-for t in lib no_driver fd_passing gpu cuda_ipc; do
+for t in lib no_driver fake_driver fd_passing gpu cuda_ipc; do
   exe=$bin/$t
   if [ ! -x "$exe" ]; then
     echo "MISSING $exe: run ci/gpu/build.sh on the host and carry ci/gpu/bin"
