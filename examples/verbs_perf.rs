@@ -267,7 +267,8 @@ fn write_lat(
     let last = size - 1;
     let mut byte = [0u8; 1];
     while scnt < iters || ccnt < iters || rcnt < iters {
-        if rcnt < iters && !(scnt < 1 && !client) {
+        // the server writes first (as perftest's write_lat does)
+        if rcnt < iters && (client || scnt >= 1) {
             rcnt += 1;
             loop {
                 s.dst.read_into(last, &mut byte)?;
