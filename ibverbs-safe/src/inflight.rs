@@ -70,7 +70,23 @@ impl SgList {
 
     /// The buffers.
     pub fn iter(&self) -> impl Iterator<Item = &MrSlice> {
-        self.items[..self.len as usize].iter().flatten()
+        self.items[..self.len as usize]
+            .iter()
+            .filter_map(Option::as_ref)
+    }
+
+    /// Writes the scatter/gather elements; returns their number and total length.
+    #[inline]
+    pub(crate) fn encode(&self, sges: &mut [crate::sys::ibv_sge; MAX_SGE]) -> (usize, u64) {
+        let n = (self.len as usize).min(MAX_SGE);
+        let mut total = 0u64;
+        for (sge, item) in sges.iter_mut().zip(&self.items[..n]) {
+            if let Some(s) = item {
+                *sge = s.sge();
+                total += s.len() as u64;
+            }
+        }
+        (n, total)
     }
 
     /// The first buffer.
@@ -204,24 +220,27 @@ impl WorkQueue {
     pub(crate) fn fill(&self, cursor: &mut usize, data: SlotData) -> Result<u64, SlotData> {
         let n = self.slots.len();
         let tries = if self.ordered { 1 } else { n };
-        for k in 0..tries {
-            let i = (*cursor + k) % n;
+        let mut i = *cursor;
+        for _ in 0..tries {
             let slot = &self.slots[i];
             if slot.state.load(Ordering::Acquire) == FREE {
-                // SAFETY: FREE slots are owned by the single producer (us); the Acquire load
-                // synchronises with the completer's Release store of FREE.
-                unsafe { *slot.data.get() = Some(data) };
+                // SAFETY: FREE slots are owned by the single producer (us) and hold `None`
+                // (every taker leaves `None`), so overwriting without dropping is exact; the
+                // Acquire load synchronises with the completer's Release store of FREE.
+                unsafe { std::ptr::write(slot.data.get(), Some(data)) };
                 slot.state.store(POSTED, Ordering::Release);
                 *cursor = i;
                 return Ok(slot as *const Slot as u64);
             }
+            i = if i + 1 == n { 0 } else { i + 1 };
         }
         Err(data)
     }
 
     #[inline]
     pub(crate) fn advance(&self, cursor: &mut usize) {
-        *cursor = (*cursor + 1) % self.slots.len();
+        let next = *cursor + 1;
+        *cursor = if next == self.slots.len() { 0 } else { next };
     }
 
     /// Takes back a slot whose work request was never accepted by the provider.
@@ -231,6 +250,7 @@ impl WorkQueue {
         Self::take(slot)
     }
 
+    #[inline]
     fn take(slot: &Slot) -> Option<SlotData> {
         if slot
             .state
@@ -266,9 +286,10 @@ impl WorkQueue {
             while i != end {
                 // Earlier unsignalled work requests are complete too: release their buffers.
                 drop(Self::take(&q.slots[i]));
-                i = (i + 1) % n;
+                i = if i + 1 == n { 0 } else { i + 1 };
             }
-            q.tail.store((end + 1) % n, Ordering::Relaxed);
+            q.tail
+                .store(if end + 1 == n { 0 } else { end + 1 }, Ordering::Relaxed);
         }
         Some((d, q.kind))
     }
