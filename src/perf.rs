@@ -123,6 +123,10 @@ impl Peer {
                 return Ok(c);
             }
             spins += 1;
+            if spins > 2_000 && spins % 64 == 0 {
+                // Oversubscribed machines: let the peer run.
+                std::thread::yield_now();
+            }
             if spins > 20_000 {
                 let t0 = *start.get_or_insert_with(Instant::now);
                 if t0.elapsed() > self.deadline {
@@ -184,8 +188,13 @@ pub fn respond(peer: &mut Peer, max: usize) -> fabric_core::Result<()> {
     let kb = tx.slice(0, RemoteKey::PACKED_LEN)?;
     kb.copy_from(&key.pack())?;
     peer.send(kb, 1)?;
+    // A control message that arrived while the previous phase was still finishing.
+    let mut stash: std::collections::VecDeque<Completion> = Default::default();
     loop {
-        let c = next_recv(peer, &rx, slot)?;
+        let c = match stash.pop_front() {
+            Some(c) => c,
+            None => next_recv(peer, &rx, slot)?,
+        };
         let mut cb = [0u8; CTRL_LEN];
         let buf = c.buf.expect("buf");
         if c.len != CTRL_LEN {
@@ -200,17 +209,35 @@ pub fn respond(peer: &mut Peer, max: usize) -> fabric_core::Result<()> {
         match mode {
             Mode::Quit => return Ok(()),
             Mode::PingPong => {
-                for _ in 0..iters {
-                    let c = next_recv(peer, &rx, slot)?;
-                    let mut b = c.buf.expect("buf");
-                    b.set_len(c.len)?;
-                    peer.send(b, 2)?;
-                    // Wait for the echo's send completion, then give the buffer back.
-                    let c = peer.next_completion()?;
-                    if c.op != OpKind::Send {
-                        return Err(err("unexpected receive during an echo"));
+                // Echo each message; a send may complete after the next message arrived
+                // (rendezvous sends complete when the peer has read them).
+                let (mut echoed, mut sends_done) = (0, 0);
+                while sends_done < iters {
+                    let c = match stash.pop_front() {
+                        Some(c) if echoed < iters => c,
+                        Some(c) => {
+                            stash.push_front(c);
+                            peer.next_completion()?
+                        }
+                        None => peer.next_completion()?,
+                    };
+                    if c.op == OpKind::Recv && echoed == iters {
+                        stash.push_back(c);
+                        continue;
                     }
-                    repost(peer, c.buf.expect("buf"), slot)?;
+                    let mut b = c.buf.expect("buf");
+                    match c.op {
+                        OpKind::Recv if echoed < iters => {
+                            b.set_len(c.len)?;
+                            peer.send(b, 2)?;
+                            echoed += 1;
+                        }
+                        OpKind::Send => {
+                            sends_done += 1;
+                            repost(peer, b, slot)?;
+                        }
+                        _ => return Err(err("unexpected completion during an echo")),
+                    }
                 }
             }
             Mode::Stream | Mode::BiStream => {
@@ -222,7 +249,10 @@ pub fn respond(peer: &mut Peer, max: usize) -> fabric_core::Result<()> {
                         sent += 1;
                         sends_out += 1;
                     }
-                    let c = peer.next_completion()?;
+                    let c = match stash.pop_front() {
+                        Some(c) => c,
+                        None => peer.next_completion()?,
+                    };
                     match c.op {
                         OpKind::Recv => {
                             got += 1;
@@ -234,7 +264,10 @@ pub fn respond(peer: &mut Peer, max: usize) -> fabric_core::Result<()> {
                 ack(peer, &tx)?;
             }
             Mode::OneSided => {
-                let c = next_recv(peer, &rx, slot)?;
+                let c = match stash.pop_front() {
+                    Some(c) => c,
+                    None => next_recv(peer, &rx, slot)?,
+                };
                 repost(peer, c.buf.expect("buf"), slot)?;
                 ack(peer, &tx)?;
             }
