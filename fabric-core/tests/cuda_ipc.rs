@@ -170,3 +170,182 @@ fn one_sided_gpu_memory_between_processes() {
     t.post_recv(r.full(), 3).map_err(|e| e.error).unwrap();
     assert_eq!(wait_one(t.as_mut()).status, Status::PeerGone);
 }
+
+// ---- the backend's protocol against nvlink-p2p's host-memory stand-in driver ----
+// (not a GPU: "device" memory is host memory and IPC opens work within one process, so
+// both ends run here; the real two-process run is the GPU test above)
+
+fn stand_in_dir() -> Option<std::path::PathBuf> {
+    let dir = std::env::temp_dir().join(format!("fabric-cuda-standin-{}", std::process::id()));
+    let c = dir.join("stub.c");
+    std::fs::create_dir_all(&dir).ok()?;
+    std::fs::write(
+        &c,
+        include_str!("../../nvlink-p2p/tests/fake_host_driver.c"),
+    )
+    .ok()?;
+    let ok = Command::new("cc")
+        .args(["-shared", "-fPIC", "-O1", "-o"])
+        .arg(dir.join("libcuda.so"))
+        .arg(&c)
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    ok.then_some(dir)
+}
+
+/// Polls `a` (and keeps `b` moving) until one completion arrives on `a`.
+fn wait_pair(a: &mut dyn Transport, b: &mut dyn Transport) -> Completion {
+    let mut out: Vec<Completion> = (0..1).map(|_| Completion::default()).collect();
+    let mut other: Vec<Completion> = Vec::new();
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        if a.poll(&mut out).unwrap() == 1 {
+            return std::mem::take(&mut out[0]);
+        }
+        assert_eq!(b.poll(&mut other).unwrap(), 0);
+        assert!(Instant::now() < end, "no completion within 10 s");
+    }
+}
+
+#[test]
+fn protocol_over_the_stand_in_driver() {
+    if std::env::var(ROLE).as_deref() == Ok("stand-in") {
+        let opts = Options {
+            handshake_timeout: Duration::from_secs(1),
+            ..Options::default()
+        };
+        let mut l = backend::listen(TransportKind::CudaIpc, &opts).unwrap();
+        let mut c = backend::connect(l.address(), &opts).unwrap();
+        let mut a = backend::connect_timeout(c.as_mut(), Duration::from_secs(5)).unwrap();
+        let mut b = backend::accept_timeout(l.as_mut(), Duration::from_secs(5)).unwrap();
+        assert_eq!(a.kind(), TransportKind::CudaIpc);
+        assert!(!a.capabilities().atomics);
+
+        // b exposes a region; a learns its key by a message.
+        let target = b
+            .register(LEN, Access::REMOTE_READ | Access::REMOTE_WRITE)
+            .unwrap();
+        target.write_at(0, &pattern(1)).unwrap();
+        let keybuf = b.register(64, Access::empty()).unwrap();
+        keybuf
+            .write_at(0, &target.remote_key().unwrap().pack())
+            .unwrap();
+        let inbox = a.register(64, Access::empty()).unwrap();
+        a.post_recv(inbox.full(), 1).map_err(|e| e.error).unwrap();
+        b.post_send(keybuf.slice(0, RemoteKey::PACKED_LEN).unwrap(), 2)
+            .map_err(|e| e.error)
+            .unwrap();
+        assert_eq!(wait_pair(b.as_mut(), a.as_mut()).status, Status::Success);
+        let c = wait_pair(a.as_mut(), b.as_mut());
+        assert_eq!(
+            (c.op, c.status, c.len),
+            (OpKind::Recv, Status::Success, RemoteKey::PACKED_LEN)
+        );
+        let mut kb = vec![0u8; RemoteKey::PACKED_LEN];
+        inbox.read_at(0, &mut kb).unwrap();
+        let key = RemoteKey::decode(&kb).unwrap();
+
+        // One-sided read and write at an offset.
+        let local = a.register(LEN, Access::empty()).unwrap();
+        a.post_read(local.slice(0, 4096).unwrap(), &key, 512, 3)
+            .map_err(|e| e.error)
+            .unwrap();
+        let c = wait_pair(a.as_mut(), b.as_mut());
+        assert_eq!(
+            (c.op, c.status, c.len),
+            (OpKind::Read, Status::Success, 4096)
+        );
+        let mut got = vec![0u8; 4096];
+        local.read_at(0, &mut got).unwrap();
+        assert_eq!(got, pattern(1)[512..512 + 4096]);
+        local.write_at(0, &pattern(2)[..100]).unwrap();
+        a.post_write(local.slice(0, 100).unwrap(), &key, 7, 4)
+            .map_err(|e| e.error)
+            .unwrap();
+        assert_eq!(wait_pair(a.as_mut(), b.as_mut()).status, Status::Success);
+        let mut got = vec![0u8; 100];
+        target.read_at(7, &mut got).unwrap();
+        assert_eq!(got, pattern(2)[..100]);
+
+        // Refusals: wrong key value, beyond the region (caught at post), no atomics, no
+        // remote access granted.
+        let mut forged = key;
+        forged.key ^= 1;
+        a.post_write(local.slice(0, 8).unwrap(), &forged, 0, 5)
+            .map_err(|e| e.error)
+            .unwrap();
+        assert_eq!(
+            wait_pair(a.as_mut(), b.as_mut()).status,
+            Status::RemoteAccess
+        );
+        let e = a
+            .post_read(local.slice(0, 16).unwrap(), &key, LEN as u64 - 8, 6)
+            .unwrap_err();
+        assert!(matches!(e.error, Error::OutOfBounds { .. }), "{e}");
+        let e = a
+            .post_atomic(
+                local.slice(0, 8).unwrap(),
+                &key,
+                0,
+                fabric_core::AtomicOp::FetchAdd { add: 1 },
+                7,
+            )
+            .unwrap_err();
+        assert!(matches!(e.error, Error::Unsupported { .. }), "{e}");
+        let mut read_only = key;
+        read_only.access = Access::REMOTE_READ.bits();
+        read_only.region = 1; // keybuf: registered without remote access, never announced
+        a.post_read(local.slice(0, 8).unwrap(), &read_only, 0, 8)
+            .map_err(|e| e.error)
+            .unwrap();
+        // Waits for an announcement that never comes, then gives up.
+        let started = Instant::now();
+        assert_eq!(
+            wait_pair(a.as_mut(), b.as_mut()).status,
+            Status::RemoteAccess
+        );
+        assert!(started.elapsed() >= Duration::from_secs(1));
+
+        // A message longer than the receive buffer completes it with MessageTooLong.
+        let small = a.register(4, Access::empty()).unwrap();
+        a.post_recv(small.full(), 9).map_err(|e| e.error).unwrap();
+        b.post_send(keybuf.slice(0, 16).unwrap(), 10)
+            .map_err(|e| e.error)
+            .unwrap();
+        assert_eq!(wait_pair(b.as_mut(), a.as_mut()).status, Status::Success);
+        assert_eq!(
+            wait_pair(a.as_mut(), b.as_mut()).status,
+            Status::MessageTooLong
+        );
+
+        // The peer goes away: a pending receive completes with PeerGone.
+        a.post_recv(inbox.full(), 11).map_err(|e| e.error).unwrap();
+        drop(b);
+        let mut out: Vec<Completion> = (0..1).map(|_| Completion::default()).collect();
+        let end = Instant::now() + Duration::from_secs(5);
+        while a.poll(&mut out).unwrap() == 0 {
+            assert!(Instant::now() < end, "no PeerGone");
+        }
+        assert_eq!(out[0].status, Status::PeerGone);
+        return;
+    }
+    let Some(dir) = stand_in_dir() else {
+        println!("skipped: cannot build the stand-in driver (no C compiler `cc`)");
+        return;
+    };
+    let status = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "protocol_over_the_stand_in_driver",
+            "--exact",
+            "--nocapture",
+        ])
+        .env(ROLE, "stand-in")
+        .env("LD_LIBRARY_PATH", &dir)
+        .env("FABRIC_CUDA_DEVICE", "0")
+        .stdin(Stdio::null())
+        .status()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(status.success(), "stand-in run failed: {status}");
+}

@@ -161,6 +161,13 @@ impl DmaBuf {
     pub fn memory(&self) -> &Arc<dyn DeviceMemory> {
         &self.memory
     }
+
+    /// Splits into `(fd, offset, len, device_ptr, memory)`: what a NIC registration needs,
+    /// and the owner it must keep until it is deregistered (the fd may be closed once
+    /// `ibv_reg_dmabuf_mr` returned; the GPU memory may not be freed before the MR is gone).
+    pub fn into_parts(self) -> (OwnedFd, u64, usize, u64, Arc<dyn DeviceMemory>) {
+        (self.fd, self.offset, self.len, self.device_ptr, self.memory)
+    }
 }
 
 #[cfg(test)]

@@ -76,7 +76,7 @@ mod vmm;
 pub use cache::CacheStats;
 pub use cudarc;
 pub use dmabuf::DmaBuf;
-pub use driver::{device_count_check, probe_library, Cuda, Device};
+pub use driver::{device_count_check, probe_library, required_driver_symbols, Cuda, Device};
 pub use error::{DriverVersion, Error, Result};
 pub use handle::{
     DecodeError, FabricHandle, IpcEventHandle, IpcMemHandle, ShareableHandleType, VmmDescriptor,

@@ -411,6 +411,10 @@ fn dmabuf_export() {
             // The DmaBuf keeps the memory alive after our Arc is gone.
             drop(buf);
             assert_eq!(d.memory().len(), 4 << 20);
+            let ptr = d.device_ptr();
+            let (_fd, offset, len, iova, memory) = d.into_parts();
+            assert_eq!((offset, len, iova), (100, 8192, ptr));
+            assert_eq!(memory.device_ptr() + 100, ptr);
         }
     }
     assert!(matches!(

@@ -8,32 +8,84 @@ use std::time::Duration;
 
 pub const T: Duration = Duration::from_secs(10);
 
-/// The two ends' contexts and the GID index to use, or `None` (after printing why) when
-/// this machine has no RDMA device.
-pub fn ends(test: &str) -> Option<(Context, Context, u8)> {
+/// One device layout to run a test on: two contexts (the same device twice for loopback)
+/// and the GID index to use.
+pub struct Layout {
+    pub name: String,
+    pub a: Context,
+    pub b: Context,
+    pub gid: u8,
+}
+
+fn env_u8(k: &str) -> Option<u8> {
+    std::env::var(k).ok().and_then(|s| s.parse().ok())
+}
+
+/// Every layout present: the harness's `SOFTROCE_LO_DEV`/`SOFTROCE_PAIR_DEVS` (ci/softroce),
+/// else what the device list suggests (one device: loopback; two: a veth pair with GID 0).
+/// Prints `skipped: no RDMA device` and returns nothing when there is no device.
+pub fn layouts(test: &str) -> Vec<Layout> {
     let devs = match devices() {
         Ok(d) => d,
         Err(e) => {
             println!("skipped: no RDMA device ({test}: {e})");
-            return None;
+            return vec![];
         }
     };
     if devs.is_empty() {
         println!("skipped: no RDMA device ({test})");
-        return None;
+        return vec![];
     }
-    let env_gid = std::env::var("IBV_GID_INDEX")
-        .ok()
-        .and_then(|s| s.parse().ok());
-    if devs.len() >= 2 && std::env::var_os("IBV_SINGLE_DEVICE").is_none() {
-        // `pair` layout: rxe0 <-> rxe1 over veth, link-local GID index 0.
-        let a = open(Some(&devs[0].name)).expect("open first device");
-        let b = open(Some(&devs[1].name)).expect("open second device");
-        return Some((a, b, env_gid.unwrap_or(0)));
+    let gid_override = env_u8("IBV_GID_INDEX");
+    let mut out = vec![];
+    let lo = std::env::var("SOFTROCE_LO_DEV").ok();
+    let pair = std::env::var("SOFTROCE_PAIR_DEVS").ok();
+    if lo.is_some() || pair.is_some() {
+        if let Some(d) = lo {
+            let c = open(Some(&d)).expect("open SOFTROCE_LO_DEV");
+            let gid = gid_override
+                .or(env_u8("SOFTROCE_LO_GID"))
+                .unwrap_or_else(|| pick_gid(&c));
+            out.push(Layout {
+                name: format!("lo:{d}"),
+                a: c.clone(),
+                b: c,
+                gid,
+            });
+        }
+        if let Some(p) = pair {
+            let mut it = p.split_whitespace();
+            if let (Some(x), Some(y)) = (it.next(), it.next()) {
+                let gid = gid_override.or(env_u8("SOFTROCE_PAIR_GID")).unwrap_or(0);
+                out.push(Layout {
+                    name: format!("pair:{x}-{y}"),
+                    a: open(Some(x)).expect("open pair device"),
+                    b: open(Some(y)).expect("open pair device"),
+                    gid,
+                });
+            }
+        }
+    } else if devs.len() >= 2 {
+        out.push(Layout {
+            name: format!("pair:{}-{}", devs[0].name, devs[1].name),
+            a: open(Some(&devs[0].name)).expect("open device"),
+            b: open(Some(&devs[1].name)).expect("open device"),
+            gid: gid_override.unwrap_or(0),
+        });
+    } else {
+        let c = open(Some(&devs[0].name)).expect("open device");
+        let gid = gid_override.unwrap_or_else(|| pick_gid(&c));
+        out.push(Layout {
+            name: format!("lo:{}", devs[0].name),
+            a: c.clone(),
+            b: c,
+            gid,
+        });
     }
-    let a = open(Some(&devs[0].name)).expect("open device");
-    let gid = env_gid.unwrap_or_else(|| pick_gid(&a));
-    Some((a.clone(), a, gid))
+    for l in &out {
+        println!("{test}: layout {} (GID index {})", l.name, l.gid);
+    }
+    out
 }
 
 /// Prefer an IPv4-mapped RoCE v2 GID (the `lo` layout's index 1), else index 0.
@@ -74,7 +126,31 @@ impl Default for Opts {
     }
 }
 
-fn builder<'a>(
+/// Two connected QPs of transport `T` (RC or UC), each with its own PD and CQ.
+pub fn connected<T: Connected>(l: &Layout, o: &Opts) -> (Side<T>, Side<T>) {
+    let (pda, pdb) = (l.a.alloc_pd().unwrap(), l.b.alloc_pd().unwrap());
+    let (cqa, cqb) = (l.a.create_cq(256).unwrap(), l.b.create_cq(256).unwrap());
+    let a = builder(&pda, &cqa, l.gid, o).build::<T>().unwrap();
+    let b = builder(&pdb, &cqb, l.gid, o).build::<T>().unwrap();
+    // Go through the wire format, as a real peer exchange would.
+    let (ea, eb) = (a.endpoint().to_bytes(), b.endpoint().to_bytes());
+    let a = a.connect_bytes(&eb).unwrap();
+    let b = b.connect_bytes(&ea).unwrap();
+    (
+        Side {
+            pd: pda,
+            cq: cqa,
+            qp: a,
+        },
+        Side {
+            pd: pdb,
+            cq: cqb,
+            qp: b,
+        },
+    )
+}
+
+pub fn builder<'a>(
     pd: &'a ProtectionDomain,
     cq: &'a CompletionQueue,
     gid: u8,
@@ -89,31 +165,6 @@ fn builder<'a>(
         .retry_cnt(o.retry)
         .rnr_retry(o.rnr_retry)
         .timeout(o.timeout)
-}
-
-/// Two connected QPs of transport `T` (RC or UC), each with its own PD and CQ.
-pub fn connected<T: Connected>(test: &str, o: Opts) -> Option<(Side<T>, Side<T>)> {
-    let (ca, cb, gid) = ends(test)?;
-    let (pda, pdb) = (ca.alloc_pd().unwrap(), cb.alloc_pd().unwrap());
-    let (cqa, cqb) = (ca.create_cq(256).unwrap(), cb.create_cq(256).unwrap());
-    let a = builder(&pda, &cqa, gid, &o).build::<T>().unwrap();
-    let b = builder(&pdb, &cqb, gid, &o).build::<T>().unwrap();
-    // Go through the wire format, as a real peer exchange would.
-    let (ea, eb) = (a.endpoint().to_bytes(), b.endpoint().to_bytes());
-    let a = a.connect_bytes(&eb).unwrap();
-    let b = b.connect_bytes(&ea).unwrap();
-    Some((
-        Side {
-            pd: pda,
-            cq: cqa,
-            qp: a,
-        },
-        Side {
-            pd: pdb,
-            cq: cqb,
-            qp: b,
-        },
-    ))
 }
 
 /// Polls exactly `n` completions and returns them.

@@ -1,0 +1,467 @@
+//! The probe against a stand-in `libcuda.so` built here from a few lines of C: a driver
+//! that lacks base entry points, reports no device, fails `cuInit`, is too old for VMM, or
+//! lacks a newer entry point. Each must be a typed error, never a panic (cudarc alone would
+//! panic on a missing symbol). Each case runs in a child process with `LD_LIBRARY_PATH`
+//! pointing at the stand-in (the driver is probed once per process).
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use common::*;
+use nvlink_p2p::{required_driver_symbols, Cuda, DriverVersion, Error};
+
+/// The stand-in libraries, built once: `full/` (every base symbol, each failing with
+/// `CUDA_ERROR_UNKNOWN` except init/version/count), `minimal/` (`cuInit` only) and `host/`
+/// (`fake_host_driver.c`: "device" memory in host memory).
+struct Stubs {
+    full: PathBuf,
+    minimal: PathBuf,
+    host: PathBuf,
+}
+
+fn stubs() -> Option<&'static Stubs> {
+    static DIRS: OnceLock<Option<Stubs>> = OnceLock::new();
+    DIRS.get_or_init(|| {
+        // Inside cargo's target dir (cleaned by `cargo clean`) when it is there; else /tmp.
+        let target_tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
+        let root = if std::fs::create_dir_all(target_tmp).is_ok() {
+            target_tmp.join("nvlink-fake-cuda")
+        } else {
+            std::env::temp_dir().join(format!("nvlink-fake-cuda-{}", std::process::id()))
+        };
+        let mut src = String::from(
+            "#include <stdlib.h>\n\
+             static int env(const char *n, int d) { const char *v = getenv(n); return v ? atoi(v) : d; }\n\
+             int cuInit(unsigned int f) { (void)f; return env(\"FAKE_CUDA_INIT\", 0); }\n\
+             #ifndef MINIMAL\n\
+             int cuDriverGetVersion(int *v) { *v = env(\"FAKE_CUDA_VERSION\", 12080); return 0; }\n\
+             int cuDeviceGetCount(int *c) { *c = env(\"FAKE_CUDA_COUNT\", 1); return 0; }\n",
+        );
+        for s in required_driver_symbols() {
+            if !matches!(*s, "cuInit" | "cuDriverGetVersion" | "cuDeviceGetCount") {
+                // CUDA_ERROR_UNKNOWN: a valid CUresult, so cudarc can represent it.
+                src.push_str(&format!("int {s}(void) {{ return 999; }}\n"));
+            }
+        }
+        src.push_str("#endif\n");
+        let build = |dir: &Path, src: &str, define: Option<&str>| -> bool {
+            let c = dir.join("stub.c");
+            if std::fs::create_dir_all(dir).is_err() || std::fs::write(&c, src).is_err() {
+                return false;
+            }
+            let mut cmd = Command::new("cc");
+            cmd.args(["-shared", "-fPIC", "-O1", "-o"])
+                .arg(dir.join("libcuda.so"))
+                .arg(&c);
+            if let Some(d) = define {
+                cmd.arg(d);
+            }
+            matches!(cmd.status(), Ok(s) if s.success())
+        };
+        let stubs = Stubs {
+            full: root.join("full"),
+            minimal: root.join("minimal"),
+            host: root.join("host"),
+        };
+        (build(&stubs.full, &src, None)
+            && build(&stubs.minimal, &src, Some("-DMINIMAL"))
+            && build(&stubs.host, include_str!("fake_host_driver.c"), None))
+        .then_some(stubs)
+    })
+    .as_ref()
+}
+
+#[derive(Clone, Copy)]
+enum Stub {
+    Full,
+    Minimal,
+    Host,
+}
+
+/// Runs `test` in a child with the stand-in driver and `envs`; true if it ran.
+fn run_with(stub: Stub, test: &str, envs: &[(&str, &str)]) -> bool {
+    let Some(s) = stubs() else {
+        println!("skipped: cannot build the stand-in driver (no C compiler `cc`, or no writable temp dir)");
+        return false;
+    };
+    let dir = match stub {
+        Stub::Full => &s.full,
+        Stub::Minimal => &s.minimal,
+        Stub::Host => &s.host,
+    };
+    let mut all = vec![("LD_LIBRARY_PATH", dir.to_str().unwrap())];
+    all.extend_from_slice(envs);
+    expect_success(spawn_child(test, "fake", None, &all), test);
+    true
+}
+
+fn run_with_fake(test: &str, minimal: bool, envs: &[(&str, &str)]) -> bool {
+    run_with(if minimal { Stub::Minimal } else { Stub::Full }, test, envs)
+}
+
+fn in_child() -> bool {
+    role().as_deref() == Some("fake")
+}
+
+#[test]
+fn driver_without_base_symbols_is_missing_symbol() {
+    if in_child() {
+        let e = Cuda::init().unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::MissingSymbol {
+                    symbol: "cuDriverGetVersion",
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("upgrade the NVIDIA driver"), "{e}");
+        return;
+    }
+    run_with_fake("driver_without_base_symbols_is_missing_symbol", true, &[]);
+}
+
+#[test]
+fn init_reporting_no_device_is_no_device() {
+    if in_child() {
+        assert!(matches!(Cuda::init(), Err(Error::NoDevice)));
+        return;
+    }
+    run_with_fake(
+        "init_reporting_no_device_is_no_device",
+        false,
+        &[("FAKE_CUDA_INIT", "100")],
+    );
+}
+
+#[test]
+fn zero_devices_is_no_device() {
+    if in_child() {
+        let e = Cuda::init().unwrap_err();
+        assert!(matches!(e, Error::NoDevice), "{e:?}");
+        return;
+    }
+    run_with_fake(
+        "zero_devices_is_no_device",
+        false,
+        &[("FAKE_CUDA_COUNT", "0")],
+    );
+}
+
+#[test]
+fn failing_init_is_a_driver_error() {
+    if in_child() {
+        let e = Cuda::init().unwrap_err();
+        match &e {
+            Error::Driver { call, code, name } => {
+                assert_eq!(
+                    (*call, *code, name.as_str()),
+                    ("cuInit", 999, "CUDA_ERROR_UNKNOWN")
+                )
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(e.to_string(), "cuInit failed: CUDA_ERROR_UNKNOWN (999)");
+        return;
+    }
+    run_with_fake(
+        "failing_init_is_a_driver_error",
+        false,
+        &[("FAKE_CUDA_INIT", "999")],
+    );
+}
+
+#[test]
+fn old_driver_refuses_newer_features_without_calling_them() {
+    if in_child() {
+        let cuda = Cuda::init().unwrap();
+        assert_eq!(cuda.driver_version(), DriverVersion(10010));
+        assert_eq!(cuda.device_count(), 2);
+        let e = cuda
+            .require("VMM shareable handles", DriverVersion::VMM, "cuMemCreate")
+            .unwrap_err();
+        assert!(
+            matches!(e, Error::DriverTooOld { needed, found, .. } if needed == DriverVersion::VMM && found == DriverVersion(10010)),
+            "{e:?}"
+        );
+        assert!(
+            e.to_string().contains("needs CUDA driver 10.2 or newer"),
+            "{e}"
+        );
+        return;
+    }
+    run_with_fake(
+        "old_driver_refuses_newer_features_without_calling_them",
+        false,
+        &[("FAKE_CUDA_VERSION", "10010"), ("FAKE_CUDA_COUNT", "2")],
+    );
+}
+
+#[test]
+fn missing_newer_entry_point_and_failing_context_are_typed() {
+    if in_child() {
+        let cuda = Cuda::init().unwrap();
+        let e = cuda
+            .require(
+                "DMA-BUF export",
+                DriverVersion::DMA_BUF,
+                "cuMemGetHandleForAddressRange",
+            )
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::MissingSymbol {
+                    symbol: "cuMemGetHandleForAddressRange",
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        // The stand-in fails every other call: opening a device is a typed error.
+        let e = cuda.device(0).unwrap_err();
+        assert!(matches!(e, Error::Driver { code: 999, .. }), "{e:?}");
+        assert!(matches!(
+            cuda.device(1),
+            Err(Error::DeviceOutOfRange {
+                ordinal: 1,
+                count: 1
+            })
+        ));
+        return;
+    }
+    run_with_fake(
+        "missing_newer_entry_point_and_failing_context_are_typed",
+        false,
+        &[],
+    );
+}
+
+// ---- plumbing against the host-memory stand-in (not a GPU: copies are memcpy) ----
+
+use std::sync::Arc;
+
+use nvlink_p2p::{
+    copy_async, ipc_cache_stats, DeviceMemory, DmaBuf, IpcEvent, IpcEventHandle, IpcMemHandle,
+    LinkKind, VmmAllocation,
+};
+
+/// Opens minus closes of IPC handles, as the stand-in counts them.
+fn stand_in_ipc_open_count() -> i32 {
+    let name = std::ffi::CString::new("libcuda.so").unwrap();
+    let sym = std::ffi::CString::new("fake_ipc_open_count").unwrap();
+    // SAFETY: RTLD_NOLOAD only looks up the already loaded stand-in; the symbol is the
+    // stand-in's `int fake_ipc_open_count(void)`.
+    #[allow(unsafe_code)]
+    unsafe {
+        let h = libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+        assert!(!h.is_null(), "stand-in not loaded");
+        let f = libc::dlsym(h, sym.as_ptr());
+        assert!(!f.is_null());
+        let f: extern "C" fn() -> i32 = std::mem::transmute(f);
+        f()
+    }
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(29) ^ seed)
+        .collect()
+}
+
+#[test]
+fn plumbing_memory_copies_contexts_topology() {
+    if in_child() {
+        let cuda = Cuda::init().unwrap();
+        assert_eq!(cuda.device_count(), 2);
+        let topo = cuda.topology().unwrap();
+        assert_eq!(topo.devices[1].name, "Stand-in GPU");
+        assert_eq!(topo.devices[1].pci.1, 0x41);
+        assert_eq!(topo.links.len(), 2);
+        assert_eq!(topo.link(0, 1).unwrap().kind, LinkKind::LikelyNvLink);
+
+        let dev = cuda.device(0).unwrap();
+        assert_eq!(dev.uuid().unwrap()[1], 7);
+        let a = Arc::new(dev.alloc(10_000).unwrap());
+        a.write(0, &pattern(10_000, 1)).unwrap();
+        assert_eq!(a.to_vec().unwrap(), pattern(10_000, 1));
+        assert!(matches!(
+            a.write(9_999, &[0, 0]),
+            Err(Error::OutOfBounds { .. })
+        ));
+        let b = Arc::new(dev.alloc(10_000).unwrap());
+        let s = dev.new_stream().unwrap();
+        copy_async(&s, &b, 100, &a, 0, 9_000)
+            .unwrap()
+            .wait()
+            .unwrap();
+        let got = b.to_vec().unwrap();
+        assert_eq!(&got[100..9_100], &pattern(10_000, 1)[..9_000]);
+        nvlink_p2p::fill(&*b, 0, 10, 0xee).unwrap();
+        assert_eq!(&b.to_vec().unwrap()[..10], &[0xee; 10]);
+
+        // A second context on the same GPU: copies stay legal without a guard.
+        let ctx2 = dev.new_context().unwrap();
+        assert!(ctx2.same_gpu(&dev) && !ctx2.same_context(&dev));
+        let c = Arc::new(ctx2.alloc(10_000).unwrap());
+        let s2 = ctx2.new_stream().unwrap();
+        copy_async(&s2, &c, 0, &a, 0, 10_000)
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert_eq!(c.to_vec().unwrap(), pattern(10_000, 1));
+        let other = dev.new_context().unwrap().new_stream().unwrap();
+        assert!(matches!(
+            copy_async(&other, &c, 0, &a, 0, 1),
+            Err(Error::ContextMismatch(_))
+        ));
+        return;
+    }
+    run_with(Stub::Host, "plumbing_memory_copies_contexts_topology", &[]);
+}
+
+#[test]
+fn plumbing_peer_access_guards() {
+    if in_child() {
+        let cuda = Cuda::init().unwrap();
+        let (d0, d1) = (cuda.device(0).unwrap(), cuda.device(1).unwrap());
+        let a = Arc::new(d0.alloc(4096).unwrap());
+        let b = Arc::new(d1.alloc(4096).unwrap());
+        a.write(0, &pattern(4096, 3)).unwrap();
+        let s = d0.new_stream().unwrap();
+        assert!(matches!(
+            copy_async(&s, &b, 0, &a, 0, 4096),
+            Err(Error::PeerAccessNotEnabled { src: 0, dst: 1 })
+        ));
+        let g1 = d0.enable_peer_access(&d1).unwrap();
+        let g2 = d0.enable_peer_access(&d1).unwrap();
+        copy_async(&s, &b, 0, &a, 0, 4096).unwrap().wait().unwrap();
+        assert_eq!(b.to_vec().unwrap(), pattern(4096, 3));
+        drop(g1);
+        // Still enabled through the second guard.
+        copy_async(&s, &b, 0, &a, 0, 8).unwrap().wait().unwrap();
+        drop(g2);
+        assert!(matches!(
+            copy_async(&s, &b, 0, &a, 0, 8),
+            Err(Error::PeerAccessNotEnabled { .. })
+        ));
+        return;
+    }
+    run_with(Stub::Host, "plumbing_peer_access_guards", &[]);
+}
+
+#[test]
+fn plumbing_ipc_cache_opens_once_and_closes_once() {
+    if in_child() {
+        let cuda = Cuda::init().unwrap();
+        let dev = cuda.device(0).unwrap();
+        let buf = Arc::new(dev.alloc(1 << 16).unwrap());
+        buf.write(0, &pattern(1 << 16, 5)).unwrap();
+        let h = IpcMemHandle::decode(&buf.ipc_handle().unwrap().encode()).unwrap();
+        assert_eq!(h.len(), 1 << 16);
+        let m1 = Arc::new(h.open(&dev).unwrap());
+        let m2 = h.open(&dev).unwrap();
+        assert!(!m1.was_cached() && m2.was_cached());
+        assert_eq!(m1.device_ptr(), m2.device_ptr());
+        assert_eq!(stand_in_ipc_open_count(), 1, "the driver saw one open");
+        let s = ipc_cache_stats();
+        assert_eq!((s.hits, s.misses, s.entries), (1, 1, 1));
+        let mut seen = vec![0u8; 1 << 16];
+        nvlink_p2p::copy_to_host(&*m1, 0, &mut seen).unwrap();
+        assert_eq!(seen, pattern(1 << 16, 5));
+        drop(m2);
+        assert_eq!(stand_in_ipc_open_count(), 1);
+        drop(m1);
+        assert_eq!(
+            stand_in_ipc_open_count(),
+            0,
+            "the last mapping closed the handle"
+        );
+        assert_eq!(ipc_cache_stats().entries, 0);
+
+        // A peer that claims more bytes than the allocation has is refused (and the
+        // mapping it caused is closed again).
+        let lying = IpcMemHandle::from_parts(*h.raw(), 1 << 20, h.device_uuid());
+        assert!(matches!(lying.open(&dev), Err(Error::InvalidArgument(_))));
+        assert_eq!(stand_in_ipc_open_count(), 0);
+        // Bytes the driver rejects are a typed error.
+        let forged = IpcMemHandle::from_parts([7; 64], 64, [0; 16]);
+        assert!(matches!(
+            forged.open(&dev),
+            Err(Error::Driver { code: 1, .. })
+        ));
+        // cudarc memory that does not come from a pool exports too.
+        let slice = dev
+            .context()
+            .default_stream()
+            .alloc_zeros::<u8>(64)
+            .unwrap();
+        let h = nvlink_p2p::ipc_handle_of_cudarc_slice(&slice).unwrap();
+        assert_eq!(h.len(), 64);
+
+        // IPC events: export, open, record, wait.
+        let ev = IpcEvent::new(&dev).unwrap();
+        let opened = IpcEventHandle::decode(&ev.handle().unwrap().encode())
+            .unwrap()
+            .open(&dev)
+            .unwrap();
+        let st = dev.new_stream().unwrap();
+        opened.record(&st).unwrap();
+        st.wait_event(&ev).unwrap();
+        ev.synchronize().unwrap();
+        assert!(ev.query().unwrap());
+        let other_ctx = dev.new_context().unwrap().new_stream().unwrap();
+        assert!(matches!(
+            ev.record(&other_ctx),
+            Err(Error::ContextMismatch(_))
+        ));
+        // The stand-in has the same IPC-handle memory; forget the opened copy's destroy.
+        std::mem::forget(opened);
+        return;
+    }
+    run_with(
+        Stub::Host,
+        "plumbing_ipc_cache_opens_once_and_closes_once",
+        &[],
+    );
+}
+
+#[test]
+fn plumbing_missing_features_are_typed() {
+    if in_child() {
+        let cuda = Cuda::init().unwrap();
+        let dev = cuda.device(0).unwrap();
+        // The stand-in has no cuMemCreate: VMM is refused before cudarc could panic.
+        let e = VmmAllocation::new(&dev, 1 << 20).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::MissingSymbol {
+                    symbol: "cuMemCreate",
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        assert!(nvlink_p2p::fabric_support(&dev).unwrap().is_err());
+        // Nor cuMemGetHandleForAddressRange: DMA-BUF likewise.
+        let buf = Arc::new(dev.alloc(8192).unwrap());
+        let e = DmaBuf::export(&buf, 0, 4096).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::MissingSymbol {
+                    symbol: "cuMemGetHandleForAddressRange",
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        return;
+    }
+    run_with(Stub::Host, "plumbing_missing_features_are_typed", &[]);
+}
