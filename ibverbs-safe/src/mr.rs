@@ -8,6 +8,7 @@ use crate::error::{last_os_error, Error, Result};
 use crate::pd::ProtectionDomain;
 use crate::result::record_drop_failure;
 use crate::sys::{self, ibv_mr};
+use std::any::Any;
 use std::cell::UnsafeCell;
 use std::marker::PhantomData;
 use std::ops::{Bound, RangeBounds};
@@ -53,10 +54,8 @@ impl AccessMode for Remote {
     const IS_REMOTE: bool = true;
 }
 
-/// Keeps a registration (and its buffer) alive; type-erased so handles need not know `B`.
-trait RegionOwner: Send + Sync {}
-
-struct MrInner<B> {
+/// A registration and the buffer it owns (type-erased, so handles are one thin `Arc`).
+struct MrInner {
     pd: ProtectionDomain,
     mr: *mut ibv_mr,
     addr: *mut u8,
@@ -64,18 +63,17 @@ struct MrInner<B> {
     lkey: u32,
     rkey: u32,
     access: u32,
-    buf: UnsafeCell<Option<B>>,
+    buf: UnsafeCell<Option<Box<dyn Any + Send + Sync>>>,
 }
 
 // SAFETY: `buf` is only touched through `&mut`/unique ownership (`into_inner`) or through
 // raw pointers with the rules of the DESIGN section; the verbs pointer is thread-safe.
-unsafe impl<B: Send> Send for MrInner<B> {}
+unsafe impl Send for MrInner {}
 // SAFETY: as above: shared access never creates references to `B` or its bytes except via
 // `MemoryRegion<_, Local>` methods that prove exclusivity.
-unsafe impl<B: Send> Sync for MrInner<B> {}
-impl<B: Send> RegionOwner for MrInner<B> {}
+unsafe impl Sync for MrInner {}
 
-impl<B> MrInner<B> {
+impl MrInner {
     fn dereg(&mut self) {
         if !self.mr.is_null() {
             // SAFETY: `mr` came from ibv_reg_mr and is deregistered exactly once; no work
@@ -89,7 +87,7 @@ impl<B> MrInner<B> {
     }
 }
 
-impl<B> Drop for MrInner<B> {
+impl Drop for MrInner {
     fn drop(&mut self) {
         // Deregister first: only then may the buffer (dropped after this) be freed.
         self.dereg();
@@ -100,51 +98,41 @@ fn register_raw<B: RegionBuffer>(
     pd: &ProtectionDomain,
     buf: B,
     access: u32,
-) -> std::result::Result<Arc<MrInner<B>>, (Error, B)> {
-    let mut arc = Arc::new(MrInner {
-        pd: pd.clone(),
-        mr: std::ptr::null_mut(),
-        addr: std::ptr::null_mut(),
-        len: 0,
-        lkey: 0,
-        rkey: 0,
-        access,
-        buf: UnsafeCell::new(Some(buf)),
-    });
-    let inner = Arc::get_mut(&mut arc).expect("fresh Arc is unique");
-    let b = inner.buf.get_mut().as_mut().expect("just stored");
-    // The buffer is now at its final address (inside the Arc), so even inline storage is stable.
-    let (addr, len) = (b.as_mut_ptr(), b.len());
+) -> std::result::Result<Arc<MrInner>, (Error, B)> {
+    // Box the buffer: its bytes then never move, even for buffers with inline storage.
+    let mut boxed = Box::new(buf);
+    let (addr, len) = (boxed.as_mut_ptr(), boxed.len());
     if len == 0 {
-        let b = inner.buf.get_mut().take().expect("just stored");
         return Err((
             Error::InvalidArgument("cannot register an empty buffer".into()),
-            b,
+            *boxed,
         ));
     }
-    // SAFETY: `addr..addr+len` is owned by the buffer (RegionBuffer contract) and stays valid
-    // until `dereg` runs in MrInner::drop, before the buffer is dropped.
+    // SAFETY: `addr..addr+len` is owned by the boxed buffer (RegionBuffer contract), which
+    // the registration keeps until `dereg` ran in MrInner::drop.
     let mr = unsafe { (pd.inner.ctx.inner.v.reg_mr)(pd.inner.pd, addr.cast(), len, access as i32) };
     if mr.is_null() {
-        let b = inner.buf.get_mut().take().expect("just stored");
         return Err((
             Error::RegMr {
                 len,
                 access,
                 source: last_os_error(),
             },
-            b,
+            *boxed,
         ));
     }
-    inner.mr = mr;
-    inner.addr = addr;
-    inner.len = len;
     // SAFETY: `mr` is a valid ibv_mr returned just now.
-    unsafe {
-        inner.lkey = (*mr).lkey;
-        inner.rkey = (*mr).rkey;
-    }
-    Ok(arc)
+    let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };
+    Ok(Arc::new(MrInner {
+        pd: pd.clone(),
+        mr,
+        addr,
+        len,
+        lkey,
+        rkey,
+        access,
+        buf: UnsafeCell::new(Some(boxed)),
+    }))
 }
 
 /// A registered memory region that owns its buffer `B`.
@@ -157,8 +145,8 @@ fn register_raw<B: RegionBuffer>(
 ///
 /// Work requests take [`MrSlice`] handles made with [`slice`](Self::slice).
 pub struct MemoryRegion<B: RegionBuffer = AlignedBuffer, A: AccessMode = Local> {
-    inner: Arc<MrInner<B>>,
-    _a: PhantomData<A>,
+    inner: Arc<MrInner>,
+    _a: PhantomData<(B, A)>,
 }
 
 impl<B: RegionBuffer, A: AccessMode> std::fmt::Debug for MemoryRegion<B, A> {
@@ -295,12 +283,10 @@ impl<B: RegionBuffer, A: AccessMode> MemoryRegion<B, A> {
             });
         }
         Ok(MrSlice {
-            owner: self.inner.clone() as Arc<dyn RegionOwner>,
+            owner: self.inner.clone(),
             addr: self.inner.addr as u64 + off as u64,
             len: len as u32,
             lkey: self.inner.lkey,
-            rkey: self.inner.rkey,
-            remote: A::IS_REMOTE,
         })
     }
 
@@ -370,11 +356,12 @@ impl<B: RegionBuffer, A: AccessMode> MemoryRegion<B, A> {
         match Arc::try_unwrap(self.inner) {
             Ok(mut inner) => {
                 inner.dereg();
-                Ok(inner
+                let b = inner
                     .buf
                     .get_mut()
                     .take()
-                    .expect("buffer present until into_inner"))
+                    .expect("buffer present until into_inner");
+                Ok(*b.downcast::<B>().expect("a MemoryRegion<B> holds a B"))
             }
             Err(inner) => Err(MemoryRegion {
                 inner,
@@ -558,12 +545,10 @@ impl RemoteMemory {
 /// device may be using them); it copies in and out with atomic accesses.
 #[derive(Clone)]
 pub struct MrSlice {
-    owner: Arc<dyn RegionOwner>,
+    owner: Arc<MrInner>,
     addr: u64,
     len: u32,
     lkey: u32,
-    rkey: u32,
-    remote: bool,
 }
 
 impl std::fmt::Debug for MrSlice {
@@ -595,14 +580,14 @@ impl MrSlice {
     }
     /// Whether the region it belongs to has remote access open.
     pub fn is_remote(&self) -> bool {
-        self.remote
+        self.owner.access & !(sys::IBV_ACCESS_LOCAL_WRITE as u32) != 0
     }
     /// The remote descriptor of this range (for a region with remote access).
     pub fn remote(&self) -> RemoteMemory {
         RemoteMemory {
             addr: self.addr,
             len: self.len as u64,
-            rkey: self.rkey,
+            rkey: self.owner.rkey,
         }
     }
 
@@ -672,7 +657,7 @@ impl MrSlice {
 
     /// Whether `other` is a handle into the same registration.
     pub fn same_region(&self, other: &MrSlice) -> bool {
-        std::ptr::addr_eq(Arc::as_ptr(&self.owner), Arc::as_ptr(&other.owner))
+        Arc::ptr_eq(&self.owner, &other.owner)
     }
 }
 
