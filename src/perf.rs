@@ -509,3 +509,159 @@ pub fn print_row(r: &Row) {
         r.size, r.iters, r.lat_typical_us, r.lat_p99_us, bw
     );
 }
+
+/// How an example was asked to find its peer.
+#[derive(Debug, Clone)]
+pub struct Setup {
+    /// Name used in messages (`pingpong`, `bandwidth`).
+    pub name: &'static str,
+    /// `--server`: wait for one peer on `bind`.
+    pub server: bool,
+    /// `--connect HOST:PORT`.
+    pub connect: Option<String>,
+    /// Bootstrap bind address for `--server`.
+    pub bind: String,
+    /// Forced transport (`--transport` / `FABRIC_TRANSPORT`).
+    pub transport: Option<fabric_core::TransportKind>,
+    /// Shared secret (`--secret` / `FABRIC_SECRET`).
+    pub secret: Option<String>,
+    /// Hidden `--responder ADDRESS` (the spawned peer of a no-argument run).
+    pub responder: Option<String>,
+    /// Largest message.
+    pub max: usize,
+}
+
+/// The result of [`establish`].
+#[derive(Debug)]
+pub enum Side {
+    /// Measure over this connection; the child (if any) is our spawned peer.
+    Initiator(Box<dyn Transport>, Option<std::process::Child>),
+    /// Serve the initiator over this connection.
+    Responder(Box<dyn Transport>),
+}
+
+/// Reads `FABRIC_TRANSPORT` / `FABRIC_SECRET` into `setup` where the CLI left them unset.
+///
+/// # Errors
+/// An unknown transport name.
+pub fn apply_env(setup: &mut Setup) -> fabric_core::Result<()> {
+    if setup.transport.is_none() {
+        if let Ok(v) = std::env::var("FABRIC_TRANSPORT") {
+            if !v.is_empty() {
+                setup.transport = Some(v.parse()?);
+            }
+        }
+    }
+    if setup.secret.is_none() {
+        setup.secret = std::env::var("FABRIC_SECRET")
+            .ok()
+            .filter(|s| !s.is_empty());
+    }
+    Ok(())
+}
+
+/// Connects the way `setup` says: as the spawned responder, across machines through the
+/// bootstrap, or (no arguments) by starting our own peer process (`exe --responder ADDR
+/// --max-size N`) over the default transport (shm unless forced).
+///
+/// # Errors
+/// Bootstrap, transport and process-spawning failures.
+pub fn establish(setup: &Setup) -> Result<Side, Box<dyn std::error::Error>> {
+    use fabric_core::backend::{self, Options};
+    use fabric_core::bootstrap::{self, Role};
+    let opts = Options::default();
+    let timeout = Duration::from_secs(60);
+    if let Some(addr) = &setup.responder {
+        let mut c = backend::connect(addr, &opts)?;
+        return Ok(Side::Responder(backend::connect_timeout(
+            c.as_mut(),
+            timeout,
+        )?));
+    }
+    if setup.server || setup.connect.is_some() {
+        let role = match &setup.connect {
+            None => Role::Server {
+                bind: setup.bind.clone(),
+            },
+            Some(s) => Role::Client { server: s.clone() },
+        };
+        eprintln!(
+            "{}: {}",
+            setup.name,
+            match &role {
+                Role::Server { bind } => format!(
+                    "waiting for a peer on {bind} (run the other side with --connect THIS_HOST:PORT)"
+                ),
+                Role::Client { server } => format!("connecting to {server}"),
+            }
+        );
+        let conn = bootstrap::pair(
+            &role,
+            setup.transport,
+            setup.secret.as_deref(),
+            &opts,
+            timeout,
+        )?;
+        return Ok(if setup.server {
+            Side::Responder(conn)
+        } else {
+            Side::Initiator(conn, None)
+        });
+    }
+    let kind = setup.transport.unwrap_or(fabric_core::TransportKind::Shm);
+    let mut listener = backend::listen(kind, &opts)?;
+    let mut child = std::process::Command::new(std::env::current_exe()?)
+        .arg("--responder")
+        .arg(listener.address())
+        .arg("--max-size")
+        .arg(setup.max.to_string())
+        .env_remove("FABRIC_TRANSPORT")
+        .stdin(std::process::Stdio::null())
+        .spawn()?;
+    let start = Instant::now();
+    loop {
+        if let Some(c) = listener.accept()? {
+            return Ok(Side::Initiator(c, Some(child)));
+        }
+        if let Some(st) = child.try_wait()? {
+            return Err(format!("the peer process exited during setup ({st})").into());
+        }
+        if start.elapsed() > timeout {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err("the peer process did not connect within 60 s".into());
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+/// Runs `measure` as the initiator or serves as the responder; reaps a spawned child.
+///
+/// # Errors
+/// Whatever `measure` or the responder returned, or a failed child.
+pub fn run_sides(
+    setup: &Setup,
+    measure: impl FnOnce(Box<dyn Transport>) -> Result<(), Box<dyn std::error::Error>>,
+) -> Result<(), Box<dyn std::error::Error>> {
+    match establish(setup)? {
+        Side::Responder(conn) => Ok(respond(
+            &mut Peer::new(conn, Duration::from_secs(60)),
+            setup.max,
+        )?),
+        Side::Initiator(conn, child) => {
+            let r = measure(conn);
+            if let Some(mut child) = child {
+                if r.is_err() {
+                    let _ = child.kill();
+                }
+                let st = child.wait()?;
+                r?;
+                if !st.success() {
+                    return Err(format!("the peer process failed ({st})").into());
+                }
+                return Ok(());
+            }
+            r
+        }
+    }
+}
