@@ -69,6 +69,9 @@ pub struct Options {
     pub ring_bytes: usize,
     /// Largest piece one shm record carries.
     pub chunk_bytes: usize,
+    /// shm messages of at least this many bytes go by rendezvous: the receiver copies
+    /// straight out of the sender's registered region (one copy instead of two); 0 = never.
+    pub rndv_bytes: usize,
     /// Largest message.
     pub max_message: usize,
     /// Address a TCP listener binds (`127.0.0.1:0` unless told otherwise).
@@ -83,6 +86,7 @@ impl Default for Options {
             max_in_flight: 256,
             ring_bytes: 2 << 20,
             chunk_bytes: 64 << 10,
+            rndv_bytes: 256 << 10,
             max_message: 1 << 30,
             tcp_bind: "127.0.0.1:0".into(),
             handshake_timeout: Duration::from_secs(10),
