@@ -518,9 +518,9 @@ impl RemoteMemory {
     /// # Errors
     /// [`Error::OutOfBounds`].
     pub fn slice(&self, offset: u64, len: u64) -> Result<RemoteMemory> {
-        match offset.checked_add(len) {
-            Some(end) if end <= self.len => Ok(RemoteMemory {
-                addr: self.addr + offset,
+        match (offset.checked_add(len), self.addr.checked_add(offset)) {
+            (Some(end), Some(addr)) if end <= self.len => Ok(RemoteMemory {
+                addr,
                 len,
                 rkey: self.rkey,
             }),
@@ -781,6 +781,15 @@ mod tests {
         assert_eq!(r.slice(4000, 96).unwrap().addr, 0x1000 + 4000);
         assert!(r.slice(4000, 97).is_err());
         assert!(r.slice(u64::MAX, 2).is_err());
+        let top = RemoteMemory {
+            addr: u64::MAX - 1,
+            len: 16,
+            rkey: 1,
+        };
+        assert!(
+            top.slice(4, 1).is_err(),
+            "address overflow is an error, not a panic"
+        );
     }
 
     #[test]
