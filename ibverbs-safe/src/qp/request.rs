@@ -137,7 +137,7 @@ impl SendRequest {
     }
 
     /// Validates against the transport and QP limits and fills `wr`/`sges` (all but wr_id).
-    fn encode<T: Transport>(
+    pub(super) fn encode<T: Transport>(
         &self,
         max_sge: usize,
         max_inline: u32,
@@ -276,6 +276,15 @@ impl SendRequest {
         Ok(())
     }
 
+    /// Length of the remote window of WRITE/READ/atomics.
+    pub(super) fn remote_len(&self) -> Option<u64> {
+        match &self.op {
+            Op::Write(r) | Op::Read(r) => Some(r.len),
+            Op::CompareSwap { remote, .. } | Op::FetchAdd { remote, .. } => Some(remote.len),
+            _ => None,
+        }
+    }
+
     fn ah(&self) -> Option<AddressHandle> {
         match &self.op {
             Op::SendTo(d) => Some(d.ah.clone()),
@@ -284,7 +293,7 @@ impl SendRequest {
     }
 }
 
-fn blank_wr() -> ibv_send_wr {
+pub(super) fn blank_wr() -> ibv_send_wr {
     ibv_send_wr {
         wr_id: 0,
         next: std::ptr::null_mut(),
@@ -383,6 +392,7 @@ impl<T: Transport> QueuePair<T> {
                 bufs,
                 user: wr_id,
                 _ah: ah,
+                scoped: false,
             },
         ) {
             Ok(id) => id,
@@ -472,6 +482,7 @@ impl<T: Transport> QueuePair<T> {
                     bufs,
                     user: wr_id,
                     _ah: ah,
+                    scoped: false,
                 },
             ) {
                 Ok(id) => {
@@ -588,6 +599,7 @@ impl<T: Transport> QueuePair<T> {
                     bufs: SgList::new(),
                     user: wr_id,
                     _ah: None,
+                    scoped: false,
                 },
             )
             .map_err(|_| Error::QueueFull {
