@@ -148,6 +148,15 @@
 //! # }
 //! ```
 //!
+//! ```compile_fail,E0502
+//! // Writing into a local region while a borrow of its bytes is alive:
+//! # fn f(mr: &mut ibverbs_safe::MemoryRegion) {
+//! let bytes = mr.as_slice().unwrap();
+//! mr.write_from(0, b"x").unwrap();
+//! println!("{}", bytes[0]);
+//! # }
+//! ```
+//!
 //! ```compile_fail,E0599
 //! // Posting a send on a QP that is not connected yet:
 //! # fn f(qp: &mut ibverbs_safe::PreparedQp<ibverbs_safe::Rc>, h: ibverbs_safe::MrSlice) {

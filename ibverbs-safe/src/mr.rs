@@ -305,11 +305,7 @@ impl<B: RegionBuffer, A: AccessMode> MemoryRegion<B, A> {
         Ok(())
     }
 
-    /// Copies `src` into the region at `offset` (see [`read_into`](Self::read_into)).
-    ///
-    /// # Errors
-    /// [`Error::OutOfBounds`].
-    pub fn write_from(&self, offset: usize, src: &[u8]) -> Result<()> {
+    fn write_from_impl(&self, offset: usize, src: &[u8]) -> Result<()> {
         let (off, _) = range_of(offset..offset.saturating_add(src.len()), self.inner.len)?;
         // SAFETY: the range lies inside the live registration.
         unsafe { copy_in(self.inner.addr.add(off), src) };
@@ -332,11 +328,7 @@ impl<B: RegionBuffer, A: AccessMode> MemoryRegion<B, A> {
         Ok(unsafe { AtomicU64::from_ptr(p.cast()) }.load(Ordering::Acquire))
     }
 
-    /// Atomically writes the 8-byte word at `offset` (must be 8-aligned).
-    ///
-    /// # Errors
-    /// As [`read_u64`](Self::read_u64).
-    pub fn write_u64(&self, offset: usize, value: u64) -> Result<()> {
+    fn write_u64_impl(&self, offset: usize, value: u64) -> Result<()> {
         range_of(offset..offset.saturating_add(8), self.inner.len)?;
         // SAFETY: in bounds (checked above).
         let p = unsafe { self.inner.addr.add(offset) };
@@ -372,6 +364,23 @@ impl<B: RegionBuffer, A: AccessMode> MemoryRegion<B, A> {
 }
 
 impl<B: RegionBuffer> MemoryRegion<B, Local> {
+    /// Copies `src` into the region at `offset`. Takes `&mut self` on a local region, so no
+    /// borrow from [`as_slice`](Self::as_slice) can observe the write.
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`].
+    pub fn write_from(&mut self, offset: usize, src: &[u8]) -> Result<()> {
+        self.write_from_impl(offset, src)
+    }
+
+    /// Atomically writes the 8-byte word at `offset` (must be 8-aligned).
+    ///
+    /// # Errors
+    /// As [`read_u64`](MemoryRegion::read_u64).
+    pub fn write_u64(&mut self, offset: usize, value: u64) -> Result<()> {
+        self.write_u64_impl(offset, value)
+    }
+
     /// Borrows the bytes.
     ///
     /// # Errors
@@ -407,6 +416,24 @@ impl<B: RegionBuffer> MemoryRegion<B, Local> {
 }
 
 impl<B: RegionBuffer> MemoryRegion<B, Remote> {
+    /// Copies `src` into the region at `offset` (see [`read_into`](MemoryRegion::read_into));
+    /// peers may be reading or writing the same bytes.
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`].
+    pub fn write_from(&self, offset: usize, src: &[u8]) -> Result<()> {
+        self.write_from_impl(offset, src)
+    }
+
+    /// Atomically writes the 8-byte word at `offset` (must be 8-aligned; e.g. the initial
+    /// value of an atomic target).
+    ///
+    /// # Errors
+    /// As [`read_u64`](MemoryRegion::read_u64).
+    pub fn write_u64(&self, offset: usize, value: u64) -> Result<()> {
+        self.write_u64_impl(offset, value)
+    }
+
     /// The remote descriptor (address, length, rkey) to send to peers.
     pub fn remote(&self) -> RemoteMemory {
         RemoteMemory {
@@ -491,9 +518,9 @@ impl RemoteMemory {
     /// # Errors
     /// [`Error::OutOfBounds`].
     pub fn slice(&self, offset: u64, len: u64) -> Result<RemoteMemory> {
-        match offset.checked_add(len) {
-            Some(end) if end <= self.len => Ok(RemoteMemory {
-                addr: self.addr + offset,
+        match (offset.checked_add(len), self.addr.checked_add(offset)) {
+            (Some(end), Some(addr)) if end <= self.len => Ok(RemoteMemory {
+                addr,
                 len,
                 rkey: self.rkey,
             }),
@@ -604,6 +631,7 @@ impl MrSlice {
         })
     }
 
+    #[inline]
     pub(crate) fn sge(&self) -> sys::ibv_sge {
         sys::ibv_sge {
             addr: self.addr,
@@ -753,6 +781,15 @@ mod tests {
         assert_eq!(r.slice(4000, 96).unwrap().addr, 0x1000 + 4000);
         assert!(r.slice(4000, 97).is_err());
         assert!(r.slice(u64::MAX, 2).is_err());
+        let top = RemoteMemory {
+            addr: u64::MAX - 1,
+            len: 16,
+            rkey: 1,
+        };
+        assert!(
+            top.slice(4, 1).is_err(),
+            "address overflow is an error, not a panic"
+        );
     }
 
     #[test]

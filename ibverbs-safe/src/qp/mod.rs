@@ -770,7 +770,9 @@ impl<T: Transport> QueuePair<T> {
     }
 
     /// The raw `ibv_qp` pointer, for use with the raw layer or other C code. The QP stays
-    /// owned by `self`.
+    /// owned by `self`; work posted through it from C must follow the contract of
+    /// [`post_send_raw`](Self::post_send_raw) (odd `wr_id`s, memory kept valid until
+    /// completion), and the QP must not be modified or destroyed through it.
     pub fn as_raw(&self) -> *mut ibv_qp {
         self.core.qp
     }

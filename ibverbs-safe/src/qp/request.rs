@@ -151,16 +151,11 @@ impl SendRequest {
                 "more buffers than the QP's max_send_sge",
             ));
         }
-        let total = self.bufs.total_len();
+        let (n, total) = self.bufs.encode(sges);
         if self.flags & sys::IBV_SEND_INLINE != 0 && total > max_inline as u64 {
             return Err(Error::InvalidRequest(
                 "inline data larger than the QP's max_inline_data",
             ));
-        }
-        let mut n = 0;
-        for (i, s) in self.bufs.iter().enumerate() {
-            sges[i] = s.sge();
-            n = i + 1;
         }
         wr.next = std::ptr::null_mut();
         wr.sg_list = sges.as_mut_ptr();
