@@ -122,19 +122,24 @@ impl Peer {
                 }
                 return Ok(c);
             }
+            // Busy-poll for ~200 us, then poll-and-yield (an oversubscribed host may run
+            // the peer on our core) until ~2 ms, then sleep on the wait fd.
             spins += 1;
-            if spins > 2_000 && spins % 64 == 0 {
-                // Oversubscribed machines: let the peer run.
-                std::thread::yield_now();
+            if spins % 16 != 0 {
+                std::hint::spin_loop();
+                continue;
             }
-            if spins > 20_000 {
-                let t0 = *start.get_or_insert_with(Instant::now);
-                if t0.elapsed() > self.deadline {
+            let t0 = *start.get_or_insert_with(Instant::now);
+            let waited = t0.elapsed();
+            if waited < Duration::from_micros(200) {
+                std::hint::spin_loop();
+            } else if waited < Duration::from_millis(2) {
+                std::thread::yield_now();
+            } else {
+                if waited > self.deadline {
                     return Err(Error::Timeout("completion"));
                 }
                 self.conn.wait(Some(Duration::from_millis(20)))?;
-            } else {
-                std::hint::spin_loop();
             }
         }
     }
@@ -174,7 +179,7 @@ fn parse_ctrl(b: &[u8]) -> fabric_core::Result<(Mode, usize, usize)> {
 /// # Errors
 /// Transport failures or a peer breaking the protocol.
 pub fn respond(peer: &mut Peer, max: usize) -> fabric_core::Result<()> {
-    let slot = max.max(CTRL_LEN);
+    let slot = max.max(CTRL_LEN).max(RemoteKey::PACKED_LEN);
     let rx = peer.conn.register(slot * WINDOW, Access::empty())?;
     let tx = peer.conn.register(slot, Access::empty())?;
     let target = peer
@@ -204,10 +209,19 @@ pub fn respond(peer: &mut Peer, max: usize) -> fabric_core::Result<()> {
             )));
         }
         buf.copy_to(&mut cb)?;
-        repost(peer, buf, slot)?;
         let (mode, size, iters) = parse_ctrl(&cb)?;
+        if mode == Mode::Quit {
+            // Acknowledge, so the initiator leaves only after we read everything (a TCP
+            // close with unread data resets the connection). It may hang up as soon as the
+            // ack is out, so a disconnect here is the normal end.
+            return match ack(peer, &tx) {
+                Ok(()) | Err(Error::Disconnected(_)) => Ok(()),
+                Err(e) => Err(e),
+            };
+        }
+        repost(peer, buf, slot)?;
         match mode {
-            Mode::Quit => return Ok(()),
+            Mode::Quit => unreachable!("handled above"),
             Mode::PingPong => {
                 // Echo each message; a send may complete after the next message arrived
                 // (rendezvous sends complete when the peer has read them).
@@ -489,7 +503,10 @@ impl Initiator {
     /// # Errors
     /// Transport failures.
     pub fn quit(&mut self) -> fabric_core::Result<()> {
-        self.control(Mode::Quit, 0, 0)
+        self.control(Mode::Quit, 0, 0)?;
+        let c = next_recv(&mut self.peer, &self.tx, self.slot)?;
+        drop(c);
+        Ok(())
     }
 }
 

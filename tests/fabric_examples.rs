@@ -59,7 +59,7 @@ fn pingpong_main_job_over_shm_and_tcp() {
         for row in &r {
             let lat: f64 = row[2].parse().expect("latency figure");
             let bw: f64 = row[4].parse().expect("bandwidth figure");
-            assert!(lat > 0.0 && bw > 0.0, "{row:?}");
+            assert!(lat > 0.0 && bw >= 0.0, "{row:?}");
         }
     }
 }
