@@ -10,13 +10,10 @@
 //! `FABRIC_TRANSPORT=shm|tcp|verbs` overrides automatic selection like `--transport`.
 
 use std::io::IsTerminal;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use clap::Parser;
-use fabric::perf::{self, Initiator, Peer, Row};
-use fabric_core::backend::{self, Options};
-use fabric_core::bootstrap::{self, Role};
+use fabric::perf::{self, Initiator, Peer, Row, Setup};
 use fabric_core::{Transport, TransportKind};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
@@ -56,114 +53,27 @@ struct Args {
 }
 
 fn main() {
-    let mut args = Args::parse();
-    if args.transport.is_none() {
-        match std::env::var("FABRIC_TRANSPORT") {
-            Ok(v) if !v.is_empty() => match v.parse() {
-                Ok(k) => args.transport = Some(k),
-                Err(e) => {
-                    eprintln!("pingpong: FABRIC_TRANSPORT: {e}");
-                    std::process::exit(2);
-                }
-            },
-            _ => {}
-        }
-    }
-    if args.secret.is_none() {
-        args.secret = std::env::var("FABRIC_SECRET")
-            .ok()
-            .filter(|s| !s.is_empty());
-    }
-    if let Err(e) = run(&args) {
+    let args = Args::parse();
+    let mut setup = Setup {
+        name: "pingpong",
+        server: args.server,
+        connect: args.connect.clone(),
+        bind: args.bind.clone(),
+        transport: args.transport,
+        secret: args.secret.clone(),
+        responder: args.responder.clone(),
+        max: args.max_size.max(args.min_size),
+    };
+    let r = perf::apply_env(&mut setup)
+        .map_err(Into::into)
+        .and_then(|()| perf::run_sides(&setup, |conn| measure(&args, conn)));
+    if let Err(e) = r {
         eprintln!("pingpong: error: {e}");
         std::process::exit(1);
     }
 }
 
-fn run(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
-    let opts = Options::default();
-    let timeout = Duration::from_secs(60);
-    let max = args.max_size.max(args.min_size);
-    if let Some(addr) = &args.responder {
-        let mut c = backend::connect(addr, &opts)?;
-        let conn = backend::connect_timeout(c.as_mut(), timeout)?;
-        return Ok(perf::respond(&mut Peer::new(conn, timeout), max)?);
-    }
-    if args.server || args.connect.is_some() {
-        let role = if args.server {
-            Role::Server {
-                bind: args.bind.clone(),
-            }
-        } else {
-            Role::Client {
-                server: args.connect.clone().unwrap_or_default(),
-            }
-        };
-        eprintln!(
-            "pingpong: {}",
-            match &role {
-                Role::Server { bind } => format!("waiting for a peer on {bind} (run the other side with --connect THIS_HOST:PORT)"),
-                Role::Client { server } => format!("connecting to {server}"),
-            }
-        );
-        let conn = bootstrap::pair(
-            &role,
-            args.transport,
-            args.secret.as_deref(),
-            &opts,
-            timeout,
-        )?;
-        return if args.server {
-            let mut peer = Peer::new(conn, timeout);
-            Ok(perf::respond(&mut peer, max)?)
-        } else {
-            measure(args, conn, None)
-        };
-    }
-    // No arguments: start our own peer process and run over the default transport.
-    let kind = args.transport.unwrap_or(TransportKind::Shm);
-    let mut listener = backend::listen(kind, &opts)?;
-    let exe = std::env::current_exe()?;
-    let mut child = Command::new(exe)
-        .arg("--responder")
-        .arg(listener.address())
-        .arg("--max-size")
-        .arg(max.to_string())
-        .env_remove("FABRIC_TRANSPORT")
-        .stdin(Stdio::null())
-        .spawn()?;
-    let start = Instant::now();
-    let conn = loop {
-        if let Some(c) = listener.accept()? {
-            break c;
-        }
-        if let Some(st) = child.try_wait()? {
-            return Err(format!("the peer process exited during setup ({st})").into());
-        }
-        if start.elapsed() > timeout {
-            let _ = child.kill();
-            return Err("the peer process did not connect within 60 s".into());
-        }
-        std::thread::sleep(Duration::from_micros(200));
-    };
-    drop(listener);
-    let r = measure(args, conn, Some(&mut child));
-    if r.is_err() {
-        let _ = child.kill();
-    }
-    let st = child.wait()?;
-    r?;
-    if !st.success() {
-        return Err(format!("the peer process failed ({st})").into());
-    }
-    Ok(())
-}
-
-fn measure(
-    args: &Args,
-    conn: Box<dyn Transport>,
-    _child: Option<&mut Child>,
-) -> Result<(), Box<dyn std::error::Error>> {
+fn measure(args: &Args, conn: Box<dyn Transport>) -> Result<(), Box<dyn std::error::Error>> {
     let max = args.max_size.max(args.min_size);
     let kind = conn.kind();
     let caps = conn.capabilities();

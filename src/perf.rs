@@ -122,15 +122,24 @@ impl Peer {
                 }
                 return Ok(c);
             }
+            // Busy-poll for ~200 us, then poll-and-yield (an oversubscribed host may run
+            // the peer on our core) until ~2 ms, then sleep on the wait fd.
             spins += 1;
-            if spins > 20_000 {
-                let t0 = *start.get_or_insert_with(Instant::now);
-                if t0.elapsed() > self.deadline {
+            if spins % 16 != 0 {
+                std::hint::spin_loop();
+                continue;
+            }
+            let t0 = *start.get_or_insert_with(Instant::now);
+            let waited = t0.elapsed();
+            if waited < Duration::from_micros(200) {
+                std::hint::spin_loop();
+            } else if waited < Duration::from_millis(2) {
+                std::thread::yield_now();
+            } else {
+                if waited > self.deadline {
                     return Err(Error::Timeout("completion"));
                 }
                 self.conn.wait(Some(Duration::from_millis(20)))?;
-            } else {
-                std::hint::spin_loop();
             }
         }
     }
@@ -170,7 +179,7 @@ fn parse_ctrl(b: &[u8]) -> fabric_core::Result<(Mode, usize, usize)> {
 /// # Errors
 /// Transport failures or a peer breaking the protocol.
 pub fn respond(peer: &mut Peer, max: usize) -> fabric_core::Result<()> {
-    let slot = max.max(CTRL_LEN);
+    let slot = max.max(CTRL_LEN).max(RemoteKey::PACKED_LEN);
     let rx = peer.conn.register(slot * WINDOW, Access::empty())?;
     let tx = peer.conn.register(slot, Access::empty())?;
     let target = peer
@@ -184,8 +193,13 @@ pub fn respond(peer: &mut Peer, max: usize) -> fabric_core::Result<()> {
     let kb = tx.slice(0, RemoteKey::PACKED_LEN)?;
     kb.copy_from(&key.pack())?;
     peer.send(kb, 1)?;
+    // A control message that arrived while the previous phase was still finishing.
+    let mut stash: std::collections::VecDeque<Completion> = Default::default();
     loop {
-        let c = next_recv(peer, &rx, slot)?;
+        let c = match stash.pop_front() {
+            Some(c) => c,
+            None => next_recv(peer, &rx, slot)?,
+        };
         let mut cb = [0u8; CTRL_LEN];
         let buf = c.buf.expect("buf");
         if c.len != CTRL_LEN {
@@ -195,22 +209,49 @@ pub fn respond(peer: &mut Peer, max: usize) -> fabric_core::Result<()> {
             )));
         }
         buf.copy_to(&mut cb)?;
-        repost(peer, buf, slot)?;
         let (mode, size, iters) = parse_ctrl(&cb)?;
+        if mode == Mode::Quit {
+            // Acknowledge, so the initiator leaves only after we read everything (a TCP
+            // close with unread data resets the connection). It may hang up as soon as the
+            // ack is out, so a disconnect here is the normal end.
+            return match ack(peer, &tx) {
+                Ok(()) | Err(Error::Disconnected(_)) => Ok(()),
+                Err(e) => Err(e),
+            };
+        }
+        repost(peer, buf, slot)?;
         match mode {
-            Mode::Quit => return Ok(()),
+            Mode::Quit => unreachable!("handled above"),
             Mode::PingPong => {
-                for _ in 0..iters {
-                    let c = next_recv(peer, &rx, slot)?;
-                    let mut b = c.buf.expect("buf");
-                    b.set_len(c.len)?;
-                    peer.send(b, 2)?;
-                    // Wait for the echo's send completion, then give the buffer back.
-                    let c = peer.next_completion()?;
-                    if c.op != OpKind::Send {
-                        return Err(err("unexpected receive during an echo"));
+                // Echo each message; a send may complete after the next message arrived
+                // (rendezvous sends complete when the peer has read them).
+                let (mut echoed, mut sends_done) = (0, 0);
+                while sends_done < iters {
+                    let c = match stash.pop_front() {
+                        Some(c) if echoed < iters => c,
+                        Some(c) => {
+                            stash.push_front(c);
+                            peer.next_completion()?
+                        }
+                        None => peer.next_completion()?,
+                    };
+                    if c.op == OpKind::Recv && echoed == iters {
+                        stash.push_back(c);
+                        continue;
                     }
-                    repost(peer, c.buf.expect("buf"), slot)?;
+                    let mut b = c.buf.expect("buf");
+                    match c.op {
+                        OpKind::Recv if echoed < iters => {
+                            b.set_len(c.len)?;
+                            peer.send(b, 2)?;
+                            echoed += 1;
+                        }
+                        OpKind::Send => {
+                            sends_done += 1;
+                            repost(peer, b, slot)?;
+                        }
+                        _ => return Err(err("unexpected completion during an echo")),
+                    }
                 }
             }
             Mode::Stream | Mode::BiStream => {
@@ -222,7 +263,10 @@ pub fn respond(peer: &mut Peer, max: usize) -> fabric_core::Result<()> {
                         sent += 1;
                         sends_out += 1;
                     }
-                    let c = peer.next_completion()?;
+                    let c = match stash.pop_front() {
+                        Some(c) => c,
+                        None => peer.next_completion()?,
+                    };
                     match c.op {
                         OpKind::Recv => {
                             got += 1;
@@ -234,7 +278,10 @@ pub fn respond(peer: &mut Peer, max: usize) -> fabric_core::Result<()> {
                 ack(peer, &tx)?;
             }
             Mode::OneSided => {
-                let c = next_recv(peer, &rx, slot)?;
+                let c = match stash.pop_front() {
+                    Some(c) => c,
+                    None => next_recv(peer, &rx, slot)?,
+                };
                 repost(peer, c.buf.expect("buf"), slot)?;
                 ack(peer, &tx)?;
             }
@@ -456,7 +503,10 @@ impl Initiator {
     /// # Errors
     /// Transport failures.
     pub fn quit(&mut self) -> fabric_core::Result<()> {
-        self.control(Mode::Quit, 0, 0)
+        self.control(Mode::Quit, 0, 0)?;
+        let c = next_recv(&mut self.peer, &self.tx, self.slot)?;
+        drop(c);
+        Ok(())
     }
 }
 
@@ -475,4 +525,160 @@ pub fn print_row(r: &Row) {
         "{:>10} {:>8} {:>14.2} {:>12.2} {:>14}",
         r.size, r.iters, r.lat_typical_us, r.lat_p99_us, bw
     );
+}
+
+/// How an example was asked to find its peer.
+#[derive(Debug, Clone)]
+pub struct Setup {
+    /// Name used in messages (`pingpong`, `bandwidth`).
+    pub name: &'static str,
+    /// `--server`: wait for one peer on `bind`.
+    pub server: bool,
+    /// `--connect HOST:PORT`.
+    pub connect: Option<String>,
+    /// Bootstrap bind address for `--server`.
+    pub bind: String,
+    /// Forced transport (`--transport` / `FABRIC_TRANSPORT`).
+    pub transport: Option<fabric_core::TransportKind>,
+    /// Shared secret (`--secret` / `FABRIC_SECRET`).
+    pub secret: Option<String>,
+    /// Hidden `--responder ADDRESS` (the spawned peer of a no-argument run).
+    pub responder: Option<String>,
+    /// Largest message.
+    pub max: usize,
+}
+
+/// The result of [`establish`].
+#[derive(Debug)]
+pub enum Side {
+    /// Measure over this connection; the child (if any) is our spawned peer.
+    Initiator(Box<dyn Transport>, Option<std::process::Child>),
+    /// Serve the initiator over this connection.
+    Responder(Box<dyn Transport>),
+}
+
+/// Reads `FABRIC_TRANSPORT` / `FABRIC_SECRET` into `setup` where the CLI left them unset.
+///
+/// # Errors
+/// An unknown transport name.
+pub fn apply_env(setup: &mut Setup) -> fabric_core::Result<()> {
+    if setup.transport.is_none() {
+        if let Ok(v) = std::env::var("FABRIC_TRANSPORT") {
+            if !v.is_empty() {
+                setup.transport = Some(v.parse()?);
+            }
+        }
+    }
+    if setup.secret.is_none() {
+        setup.secret = std::env::var("FABRIC_SECRET")
+            .ok()
+            .filter(|s| !s.is_empty());
+    }
+    Ok(())
+}
+
+/// Connects the way `setup` says: as the spawned responder, across machines through the
+/// bootstrap, or (no arguments) by starting our own peer process (`exe --responder ADDR
+/// --max-size N`) over the default transport (shm unless forced).
+///
+/// # Errors
+/// Bootstrap, transport and process-spawning failures.
+pub fn establish(setup: &Setup) -> Result<Side, Box<dyn std::error::Error>> {
+    use fabric_core::backend::{self, Options};
+    use fabric_core::bootstrap::{self, Role};
+    let opts = Options::default();
+    let timeout = Duration::from_secs(60);
+    if let Some(addr) = &setup.responder {
+        let mut c = backend::connect(addr, &opts)?;
+        return Ok(Side::Responder(backend::connect_timeout(
+            c.as_mut(),
+            timeout,
+        )?));
+    }
+    if setup.server || setup.connect.is_some() {
+        let role = match &setup.connect {
+            None => Role::Server {
+                bind: setup.bind.clone(),
+            },
+            Some(s) => Role::Client { server: s.clone() },
+        };
+        eprintln!(
+            "{}: {}",
+            setup.name,
+            match &role {
+                Role::Server { bind } => format!(
+                    "waiting for a peer on {bind} (run the other side with --connect THIS_HOST:PORT)"
+                ),
+                Role::Client { server } => format!("connecting to {server}"),
+            }
+        );
+        let conn = bootstrap::pair(
+            &role,
+            setup.transport,
+            setup.secret.as_deref(),
+            &opts,
+            timeout,
+        )?;
+        return Ok(if setup.server {
+            Side::Responder(conn)
+        } else {
+            Side::Initiator(conn, None)
+        });
+    }
+    let kind = setup.transport.unwrap_or(fabric_core::TransportKind::Shm);
+    let mut listener = backend::listen(kind, &opts)?;
+    let mut child = std::process::Command::new(std::env::current_exe()?)
+        .arg("--responder")
+        .arg(listener.address())
+        .arg("--max-size")
+        .arg(setup.max.to_string())
+        .env_remove("FABRIC_TRANSPORT")
+        .stdin(std::process::Stdio::null())
+        .spawn()?;
+    let start = Instant::now();
+    loop {
+        if let Some(c) = listener.accept()? {
+            return Ok(Side::Initiator(c, Some(child)));
+        }
+        if let Some(st) = child.try_wait()? {
+            return Err(format!("the peer process exited during setup ({st})").into());
+        }
+        if start.elapsed() > timeout {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err("the peer process did not connect within 60 s".into());
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+/// Runs `measure` as the initiator or serves as the responder; reaps a spawned child.
+///
+/// # Errors
+/// Whatever `measure` or the responder returned, or a failed child.
+pub fn run_sides(
+    setup: &Setup,
+    measure: impl FnOnce(Box<dyn Transport>) -> Result<(), Box<dyn std::error::Error>>,
+) -> Result<(), Box<dyn std::error::Error>> {
+    match establish(setup)? {
+        Side::Responder(conn) => Ok(respond(
+            &mut Peer::new(conn, Duration::from_secs(60)),
+            setup.max,
+        )?),
+        Side::Initiator(conn, child) => {
+            let r = measure(conn);
+            if let Some(mut child) = child {
+                if r.is_err() {
+                    let _ = child.kill();
+                }
+                let st = child.wait()?;
+                r?;
+                if !st.success() {
+                    return Err(format!("the peer process failed ({st})").into());
+                }
+                return Ok(());
+            }
+            r
+        }
+    }
 }

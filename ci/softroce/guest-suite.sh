@@ -4,11 +4,12 @@
 #   ci/softroce/run-in-guest.sh --layout all -- ci/softroce/guest-suite.sh TESTLIST EXAMPLES_DIR
 #
 # TESTLIST holds one line per host-built test executable, "<package dir> TAB <executable>";
-# each runs in its package directory (as under cargo test) with --test-threads=1
+# each runs in its package directory (as under cargo test) with --test-threads=1 --nocapture
 # (override with SOFTROCE_TEST_THREADS) under a timeout (SOFTROCE_STEP_TIMEOUT, default 600 s).
 # When EXAMPLES_DIR/rc_pingpong exists, the ibv_rc_pingpong interop pairings run on both
 # layouts: rdma-core's server with our client, our server with rdma-core's client, ours with
-# ours. Prints a summary and exits 1 if any step failed.
+# ours. A test executable that prints "skipped: no RDMA device" fails here (the guest has
+# devices). Prints a summary and exits 1 if any step failed.
 set -u
 LIST=${1:?usage: guest-suite.sh TESTLIST EXAMPLES_DIR}
 EXAMPLES=${2:?usage: guest-suite.sh TESTLIST EXAMPLES_DIR}
@@ -28,16 +29,22 @@ record() { # status name seconds
 }
 
 run_test_binary() { # package-dir executable
-  local dir=$1 bin=$2 name t0 rc
+  local dir=$1 bin=$2 name t0 rc log
   name=$(basename "$bin")
+  log=$(mktemp)
   echo
   echo "=== test binary $name"
   t0=$(date +%s.%N)
-  (cd "$dir" && exec timeout -k 10 "$STEP_TIMEOUT" "$bin" --test-threads="$THREADS")
-  rc=$?
-  if [ $rc = 0 ]; then record PASS "$name" "$(since "$t0")"
+  # --nocapture: the tests' figures and skip lines reach the log
+  (cd "$dir" && exec timeout -k 10 "$STEP_TIMEOUT" "$bin" --test-threads="$THREADS" --nocapture) 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
+  if [ $rc = 0 ] && grep -q 'skipped: no RDMA device' "$log"; then
+    # the guest has devices: a test that skips here would silently test nothing
+    record FAIL "$name (a test skipped for lack of an RDMA device in the guest)" "$(since "$t0")"
+  elif [ $rc = 0 ]; then record PASS "$name" "$(since "$t0")"
   elif [ $rc = 124 ] || [ $rc = 137 ]; then record FAIL "$name (timed out after ${STEP_TIMEOUT}s)" "$(since "$t0")"
   else record FAIL "$name (status $rc)" "$(since "$t0")"; fi
+  rm -f "$log"
 }
 
 wait_listen() { # port: wait (max 20 s) for a TCP listener

@@ -202,6 +202,9 @@ impl Drop for CqInner {
 /// buffers.
 pub struct CompletionQueue {
     pub(crate) inner: Arc<CqInner>,
+    /// Completions of other work that a [`QueuePair::scope`](crate::QueuePair::scope) polled
+    /// while waiting for its own; handed out first by the next [`poll`](Self::poll).
+    pub(crate) stash: std::collections::VecDeque<Completion>,
 }
 
 impl std::fmt::Debug for CompletionQueue {
@@ -265,6 +268,7 @@ pub struct Completion {
     slid: u16,
     queue: Option<QueueKind>,
     bufs: SgList,
+    pub(crate) scoped: bool,
 }
 
 impl Default for Completion {
@@ -282,6 +286,7 @@ impl Default for Completion {
             slid: 0,
             queue: None,
             bufs: SgList::new(),
+            scoped: false,
         }
     }
 }
@@ -376,17 +381,20 @@ impl Completion {
                     self.wr_id = d.user;
                     self.bufs = d.bufs;
                     self.queue = Some(kind);
+                    self.scoped = d.scoped;
                 }
                 None => {
                     self.wr_id = 0;
                     self.bufs = SgList::new();
                     self.queue = None;
+                    self.scoped = false;
                 }
             }
         } else {
             self.wr_id = wc.wr_id;
             self.bufs = SgList::new();
             self.queue = None;
+            self.scoped = false;
         }
         self.status = WcStatus::from_raw(wc.status);
         self.opcode = WcOpcode::from_raw(wc.opcode);
@@ -425,6 +433,7 @@ impl CompletionQueue {
                 _channel: channel.map(|c| c.inner.clone()),
                 attached: Mutex::new(Vec::new()),
             }),
+            stash: std::collections::VecDeque::new(),
         })
     }
 
@@ -447,8 +456,17 @@ impl CompletionQueue {
     #[inline]
     pub fn poll(&mut self, out: &mut [Completion]) -> Result<usize> {
         const CHUNK: usize = 16;
-        let mut wcs = [MaybeUninit::<ibv_wc>::uninit(); CHUNK];
         let mut done = 0;
+        if !self.stash.is_empty() {
+            while done < out.len() {
+                match self.stash.pop_front() {
+                    Some(c) => out[done] = c,
+                    None => break,
+                }
+                done += 1;
+            }
+        }
+        let mut wcs = [MaybeUninit::<ibv_wc>::uninit(); CHUNK];
         while done < out.len() {
             let want = (out.len() - done).min(CHUNK);
             // SAFETY: the CQ is live and `wcs` has room for `want` entries.

@@ -8,6 +8,7 @@ use crate::error::{last_os_error, Error, Result};
 use crate::pd::ProtectionDomain;
 use crate::result::record_drop_failure;
 use crate::sys::{self, ibv_mr};
+use std::any::Any;
 use std::cell::UnsafeCell;
 use std::marker::PhantomData;
 use std::ops::{Bound, RangeBounds};
@@ -53,10 +54,8 @@ impl AccessMode for Remote {
     const IS_REMOTE: bool = true;
 }
 
-/// Keeps a registration (and its buffer) alive; type-erased so handles need not know `B`.
-trait RegionOwner: Send + Sync {}
-
-struct MrInner<B> {
+/// A registration and the buffer it owns (type-erased, so handles are one thin `Arc`).
+struct MrInner {
     pd: ProtectionDomain,
     mr: *mut ibv_mr,
     addr: *mut u8,
@@ -64,18 +63,17 @@ struct MrInner<B> {
     lkey: u32,
     rkey: u32,
     access: u32,
-    buf: UnsafeCell<Option<B>>,
+    buf: UnsafeCell<Option<Box<dyn Any + Send + Sync>>>,
 }
 
 // SAFETY: `buf` is only touched through `&mut`/unique ownership (`into_inner`) or through
 // raw pointers with the rules of the DESIGN section; the verbs pointer is thread-safe.
-unsafe impl<B: Send> Send for MrInner<B> {}
+unsafe impl Send for MrInner {}
 // SAFETY: as above: shared access never creates references to `B` or its bytes except via
 // `MemoryRegion<_, Local>` methods that prove exclusivity.
-unsafe impl<B: Send> Sync for MrInner<B> {}
-impl<B: Send> RegionOwner for MrInner<B> {}
+unsafe impl Sync for MrInner {}
 
-impl<B> MrInner<B> {
+impl MrInner {
     fn dereg(&mut self) {
         if !self.mr.is_null() {
             // SAFETY: `mr` came from ibv_reg_mr and is deregistered exactly once; no work
@@ -89,7 +87,7 @@ impl<B> MrInner<B> {
     }
 }
 
-impl<B> Drop for MrInner<B> {
+impl Drop for MrInner {
     fn drop(&mut self) {
         // Deregister first: only then may the buffer (dropped after this) be freed.
         self.dereg();
@@ -100,51 +98,41 @@ fn register_raw<B: RegionBuffer>(
     pd: &ProtectionDomain,
     buf: B,
     access: u32,
-) -> std::result::Result<Arc<MrInner<B>>, (Error, B)> {
-    let mut arc = Arc::new(MrInner {
-        pd: pd.clone(),
-        mr: std::ptr::null_mut(),
-        addr: std::ptr::null_mut(),
-        len: 0,
-        lkey: 0,
-        rkey: 0,
-        access,
-        buf: UnsafeCell::new(Some(buf)),
-    });
-    let inner = Arc::get_mut(&mut arc).expect("fresh Arc is unique");
-    let b = inner.buf.get_mut().as_mut().expect("just stored");
-    // The buffer is now at its final address (inside the Arc), so even inline storage is stable.
-    let (addr, len) = (b.as_mut_ptr(), b.len());
+) -> std::result::Result<Arc<MrInner>, (Error, B)> {
+    // Box the buffer: its bytes then never move, even for buffers with inline storage.
+    let mut boxed = Box::new(buf);
+    let (addr, len) = (boxed.as_mut_ptr(), boxed.len());
     if len == 0 {
-        let b = inner.buf.get_mut().take().expect("just stored");
         return Err((
             Error::InvalidArgument("cannot register an empty buffer".into()),
-            b,
+            *boxed,
         ));
     }
-    // SAFETY: `addr..addr+len` is owned by the buffer (RegionBuffer contract) and stays valid
-    // until `dereg` runs in MrInner::drop, before the buffer is dropped.
+    // SAFETY: `addr..addr+len` is owned by the boxed buffer (RegionBuffer contract), which
+    // the registration keeps until `dereg` ran in MrInner::drop.
     let mr = unsafe { (pd.inner.ctx.inner.v.reg_mr)(pd.inner.pd, addr.cast(), len, access as i32) };
     if mr.is_null() {
-        let b = inner.buf.get_mut().take().expect("just stored");
         return Err((
             Error::RegMr {
                 len,
                 access,
                 source: last_os_error(),
             },
-            b,
+            *boxed,
         ));
     }
-    inner.mr = mr;
-    inner.addr = addr;
-    inner.len = len;
     // SAFETY: `mr` is a valid ibv_mr returned just now.
-    unsafe {
-        inner.lkey = (*mr).lkey;
-        inner.rkey = (*mr).rkey;
-    }
-    Ok(arc)
+    let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };
+    Ok(Arc::new(MrInner {
+        pd: pd.clone(),
+        mr,
+        addr,
+        len,
+        lkey,
+        rkey,
+        access,
+        buf: UnsafeCell::new(Some(boxed)),
+    }))
 }
 
 /// A registered memory region that owns its buffer `B`.
@@ -157,8 +145,8 @@ fn register_raw<B: RegionBuffer>(
 ///
 /// Work requests take [`MrSlice`] handles made with [`slice`](Self::slice).
 pub struct MemoryRegion<B: RegionBuffer = AlignedBuffer, A: AccessMode = Local> {
-    inner: Arc<MrInner<B>>,
-    _a: PhantomData<A>,
+    inner: Arc<MrInner>,
+    _a: PhantomData<(B, A)>,
 }
 
 impl<B: RegionBuffer, A: AccessMode> std::fmt::Debug for MemoryRegion<B, A> {
@@ -295,12 +283,27 @@ impl<B: RegionBuffer, A: AccessMode> MemoryRegion<B, A> {
             });
         }
         Ok(MrSlice {
-            owner: self.inner.clone() as Arc<dyn RegionOwner>,
+            owner: self.inner.clone(),
             addr: self.inner.addr as u64 + off as u64,
             len: len as u32,
             lkey: self.inner.lkey,
-            rkey: self.inner.rkey,
-            remote: A::IS_REMOTE,
+        })
+    }
+
+    /// The scatter/gather element of `range` (for scoped, borrowing work requests).
+    pub(crate) fn sge_of(&self, range: impl RangeBounds<usize>) -> Result<sys::ibv_sge> {
+        let (off, len) = range_of(range, self.inner.len)?;
+        if len > u32::MAX as usize {
+            return Err(Error::OutOfBounds {
+                offset: off,
+                len,
+                region_len: u32::MAX as usize,
+            });
+        }
+        Ok(sys::ibv_sge {
+            addr: self.inner.addr as u64 + off as u64,
+            length: len as u32,
+            lkey: self.inner.lkey,
         })
     }
 
@@ -319,11 +322,7 @@ impl<B: RegionBuffer, A: AccessMode> MemoryRegion<B, A> {
         Ok(())
     }
 
-    /// Copies `src` into the region at `offset` (see [`read_into`](Self::read_into)).
-    ///
-    /// # Errors
-    /// [`Error::OutOfBounds`].
-    pub fn write_from(&self, offset: usize, src: &[u8]) -> Result<()> {
+    fn write_from_impl(&self, offset: usize, src: &[u8]) -> Result<()> {
         let (off, _) = range_of(offset..offset.saturating_add(src.len()), self.inner.len)?;
         // SAFETY: the range lies inside the live registration.
         unsafe { copy_in(self.inner.addr.add(off), src) };
@@ -346,11 +345,7 @@ impl<B: RegionBuffer, A: AccessMode> MemoryRegion<B, A> {
         Ok(unsafe { AtomicU64::from_ptr(p.cast()) }.load(Ordering::Acquire))
     }
 
-    /// Atomically writes the 8-byte word at `offset` (must be 8-aligned).
-    ///
-    /// # Errors
-    /// As [`read_u64`](Self::read_u64).
-    pub fn write_u64(&self, offset: usize, value: u64) -> Result<()> {
+    fn write_u64_impl(&self, offset: usize, value: u64) -> Result<()> {
         range_of(offset..offset.saturating_add(8), self.inner.len)?;
         // SAFETY: in bounds (checked above).
         let p = unsafe { self.inner.addr.add(offset) };
@@ -370,11 +365,12 @@ impl<B: RegionBuffer, A: AccessMode> MemoryRegion<B, A> {
         match Arc::try_unwrap(self.inner) {
             Ok(mut inner) => {
                 inner.dereg();
-                Ok(inner
+                let b = inner
                     .buf
                     .get_mut()
                     .take()
-                    .expect("buffer present until into_inner"))
+                    .expect("buffer present until into_inner");
+                Ok(*b.downcast::<B>().expect("a MemoryRegion<B> holds a B"))
             }
             Err(inner) => Err(MemoryRegion {
                 inner,
@@ -385,6 +381,23 @@ impl<B: RegionBuffer, A: AccessMode> MemoryRegion<B, A> {
 }
 
 impl<B: RegionBuffer> MemoryRegion<B, Local> {
+    /// Copies `src` into the region at `offset`. Takes `&mut self` on a local region, so no
+    /// borrow from [`as_slice`](Self::as_slice) can observe the write.
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`].
+    pub fn write_from(&mut self, offset: usize, src: &[u8]) -> Result<()> {
+        self.write_from_impl(offset, src)
+    }
+
+    /// Atomically writes the 8-byte word at `offset` (must be 8-aligned).
+    ///
+    /// # Errors
+    /// As [`read_u64`](MemoryRegion::read_u64).
+    pub fn write_u64(&mut self, offset: usize, value: u64) -> Result<()> {
+        self.write_u64_impl(offset, value)
+    }
+
     /// Borrows the bytes.
     ///
     /// # Errors
@@ -420,6 +433,24 @@ impl<B: RegionBuffer> MemoryRegion<B, Local> {
 }
 
 impl<B: RegionBuffer> MemoryRegion<B, Remote> {
+    /// Copies `src` into the region at `offset` (see [`read_into`](MemoryRegion::read_into));
+    /// peers may be reading or writing the same bytes.
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`].
+    pub fn write_from(&self, offset: usize, src: &[u8]) -> Result<()> {
+        self.write_from_impl(offset, src)
+    }
+
+    /// Atomically writes the 8-byte word at `offset` (must be 8-aligned; e.g. the initial
+    /// value of an atomic target).
+    ///
+    /// # Errors
+    /// As [`read_u64`](MemoryRegion::read_u64).
+    pub fn write_u64(&self, offset: usize, value: u64) -> Result<()> {
+        self.write_u64_impl(offset, value)
+    }
+
     /// The remote descriptor (address, length, rkey) to send to peers.
     pub fn remote(&self) -> RemoteMemory {
         RemoteMemory {
@@ -504,9 +535,9 @@ impl RemoteMemory {
     /// # Errors
     /// [`Error::OutOfBounds`].
     pub fn slice(&self, offset: u64, len: u64) -> Result<RemoteMemory> {
-        match offset.checked_add(len) {
-            Some(end) if end <= self.len => Ok(RemoteMemory {
-                addr: self.addr + offset,
+        match (offset.checked_add(len), self.addr.checked_add(offset)) {
+            (Some(end), Some(addr)) if end <= self.len => Ok(RemoteMemory {
+                addr,
                 len,
                 rkey: self.rkey,
             }),
@@ -558,12 +589,10 @@ impl RemoteMemory {
 /// device may be using them); it copies in and out with atomic accesses.
 #[derive(Clone)]
 pub struct MrSlice {
-    owner: Arc<dyn RegionOwner>,
+    owner: Arc<MrInner>,
     addr: u64,
     len: u32,
     lkey: u32,
-    rkey: u32,
-    remote: bool,
 }
 
 impl std::fmt::Debug for MrSlice {
@@ -595,14 +624,14 @@ impl MrSlice {
     }
     /// Whether the region it belongs to has remote access open.
     pub fn is_remote(&self) -> bool {
-        self.remote
+        self.owner.access & !(sys::IBV_ACCESS_LOCAL_WRITE as u32) != 0
     }
     /// The remote descriptor of this range (for a region with remote access).
     pub fn remote(&self) -> RemoteMemory {
         RemoteMemory {
             addr: self.addr,
             len: self.len as u64,
-            rkey: self.rkey,
+            rkey: self.owner.rkey,
         }
     }
 
@@ -619,6 +648,7 @@ impl MrSlice {
         })
     }
 
+    #[inline]
     pub(crate) fn sge(&self) -> sys::ibv_sge {
         sys::ibv_sge {
             addr: self.addr,
@@ -672,7 +702,7 @@ impl MrSlice {
 
     /// Whether `other` is a handle into the same registration.
     pub fn same_region(&self, other: &MrSlice) -> bool {
-        std::ptr::addr_eq(Arc::as_ptr(&self.owner), Arc::as_ptr(&other.owner))
+        Arc::ptr_eq(&self.owner, &other.owner)
     }
 }
 
@@ -768,6 +798,15 @@ mod tests {
         assert_eq!(r.slice(4000, 96).unwrap().addr, 0x1000 + 4000);
         assert!(r.slice(4000, 97).is_err());
         assert!(r.slice(u64::MAX, 2).is_err());
+        let top = RemoteMemory {
+            addr: u64::MAX - 1,
+            len: 16,
+            rkey: 1,
+        };
+        assert!(
+            top.slice(4, 1).is_err(),
+            "address overflow is an error, not a panic"
+        );
     }
 
     #[test]

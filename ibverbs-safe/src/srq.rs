@@ -114,6 +114,7 @@ impl SharedReceiveQueue {
                 bufs,
                 user: wr_id,
                 _ah: None,
+                scoped: false,
             },
         ) {
             Ok(id) => id,
@@ -156,10 +157,6 @@ impl SharedReceiveQueue {
 
 pub(crate) fn recv_sges(bufs: &SgList) -> ([ibv_sge; MAX_SGE], usize) {
     let mut sges = [ibv_sge::default(); MAX_SGE];
-    let mut n = 0;
-    for (i, s) in bufs.iter().enumerate() {
-        sges[i] = s.sge();
-        n = i + 1;
-    }
+    let (n, _) = bufs.encode(&mut sges);
     (sges, n)
 }

@@ -408,14 +408,10 @@ impl Device {
         // SAFETY: `raw` is a context just created for `dev` and owned by nobody else; the
         // returned Arc destroys it (cuCtxDestroy_v2) when the last clone drops.
         let ctx = unsafe { CudaContext::from_raw_context(self.ordinal, dev, raw) };
-        let ctx = match ctx {
-            Ok(c) => c,
-            Err(e) => {
-                // SAFETY: creation succeeded and nothing else owns `raw`.
-                unsafe { sys::cuCtxDestroy_v2(raw) };
-                return Err(cudarc_error("cuDeviceGetAttribute", e));
-            }
-        };
+        // On failure cudarc may already have wrapped (and so destroyed) the context, so it is
+        // not destroyed again here: at worst a context leaks on a path that needs a failing
+        // driver, never a double destroy.
+        let ctx = ctx.map_err(|e| cudarc_error("cuCtxSetCurrent", e))?;
         Ok(Device {
             cuda: self.cuda,
             ordinal: self.ordinal,

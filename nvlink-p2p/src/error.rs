@@ -40,11 +40,12 @@ impl fmt::Display for DriverVersion {
 pub enum Error {
     /// The CUDA driver library could not be loaded.
     #[error(
-        "CUDA driver library not found (tried: {tried}): install the NVIDIA driver, which provides \
-         libcuda.so.1, and make sure the dynamic loader can find it (ldconfig or LD_LIBRARY_PATH)"
+        "CUDA driver library not found ({} names tried): install the NVIDIA driver, which provides \
+         libcuda.so.1, and make sure the dynamic loader can find it (ldconfig or LD_LIBRARY_PATH)",
+        .tried.split(", ").count()
     )]
     DriverUnavailable {
-        /// The library names that were tried.
+        /// The library names that were tried, comma-separated (cudarc's candidates).
         tried: String,
     },
     /// The driver loaded but reports no usable CUDA device.

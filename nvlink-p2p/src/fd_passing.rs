@@ -151,7 +151,8 @@ pub fn recv_with_fds(sock: &UnixStream, max_fds: usize) -> Result<(Vec<u8>, Vec<
             let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
             while !cmsg.is_null() {
                 if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
-                    let data_len = (*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
+                    let data_len =
+                        ((*cmsg).cmsg_len as usize).saturating_sub(libc::CMSG_LEN(0) as usize);
                     let n = data_len / mem::size_of::<RawFd>();
                     let data = libc::CMSG_DATA(cmsg).cast::<RawFd>();
                     for i in 0..n {

@@ -5,91 +5,14 @@
 //! pointing at the stand-in (the driver is probed once per process).
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::sync::OnceLock;
-
 use common::*;
-use nvlink_p2p::{required_driver_symbols, Cuda, DriverVersion, Error};
-
-/// The stand-in libraries, built once: `full/` (every base symbol, each failing with
-/// `CUDA_ERROR_UNKNOWN` except init/version/count), `minimal/` (`cuInit` only) and `host/`
-/// (`fake_host_driver.c`: "device" memory in host memory).
-struct Stubs {
-    full: PathBuf,
-    minimal: PathBuf,
-    host: PathBuf,
-}
-
-fn stubs() -> Option<&'static Stubs> {
-    static DIRS: OnceLock<Option<Stubs>> = OnceLock::new();
-    DIRS.get_or_init(|| {
-        // Inside cargo's target dir (cleaned by `cargo clean`) when it is there; else /tmp.
-        let target_tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
-        let root = if std::fs::create_dir_all(target_tmp).is_ok() {
-            target_tmp.join("nvlink-fake-cuda")
-        } else {
-            std::env::temp_dir().join(format!("nvlink-fake-cuda-{}", std::process::id()))
-        };
-        let mut src = String::from(
-            "#include <stdlib.h>\n\
-             static int env(const char *n, int d) { const char *v = getenv(n); return v ? atoi(v) : d; }\n\
-             int cuInit(unsigned int f) { (void)f; return env(\"FAKE_CUDA_INIT\", 0); }\n\
-             #ifndef MINIMAL\n\
-             int cuDriverGetVersion(int *v) { *v = env(\"FAKE_CUDA_VERSION\", 12080); return 0; }\n\
-             int cuDeviceGetCount(int *c) { *c = env(\"FAKE_CUDA_COUNT\", 1); return 0; }\n",
-        );
-        for s in required_driver_symbols() {
-            if !matches!(*s, "cuInit" | "cuDriverGetVersion" | "cuDeviceGetCount") {
-                // CUDA_ERROR_UNKNOWN: a valid CUresult, so cudarc can represent it.
-                src.push_str(&format!("int {s}(void) {{ return 999; }}\n"));
-            }
-        }
-        src.push_str("#endif\n");
-        let build = |dir: &Path, src: &str, define: Option<&str>| -> bool {
-            let c = dir.join("stub.c");
-            if std::fs::create_dir_all(dir).is_err() || std::fs::write(&c, src).is_err() {
-                return false;
-            }
-            let mut cmd = Command::new("cc");
-            cmd.args(["-shared", "-fPIC", "-O1", "-o"])
-                .arg(dir.join("libcuda.so"))
-                .arg(&c);
-            if let Some(d) = define {
-                cmd.arg(d);
-            }
-            matches!(cmd.status(), Ok(s) if s.success())
-        };
-        let stubs = Stubs {
-            full: root.join("full"),
-            minimal: root.join("minimal"),
-            host: root.join("host"),
-        };
-        (build(&stubs.full, &src, None)
-            && build(&stubs.minimal, &src, Some("-DMINIMAL"))
-            && build(&stubs.host, include_str!("fake_host_driver.c"), None))
-        .then_some(stubs)
-    })
-    .as_ref()
-}
-
-#[derive(Clone, Copy)]
-enum Stub {
-    Full,
-    Minimal,
-    Host,
-}
+use nvlink_p2p::{Cuda, DriverVersion, Error};
 
 /// Runs `test` in a child with the stand-in driver and `envs`; true if it ran.
 fn run_with(stub: Stub, test: &str, envs: &[(&str, &str)]) -> bool {
-    let Some(s) = stubs() else {
+    let Some(dir) = stand_in(stub) else {
         println!("skipped: cannot build the stand-in driver (no C compiler `cc`, or no writable temp dir)");
         return false;
-    };
-    let dir = match stub {
-        Stub::Full => &s.full,
-        Stub::Minimal => &s.minimal,
-        Stub::Host => &s.host,
     };
     let mut all = vec![("LD_LIBRARY_PATH", dir.to_str().unwrap())];
     all.extend_from_slice(envs);
@@ -435,20 +358,22 @@ fn plumbing_missing_features_are_typed() {
     if in_child() {
         let cuda = Cuda::init().unwrap();
         let dev = cuda.device(0).unwrap();
-        // The stand-in has no cuMemCreate: VMM is refused before cudarc could panic.
+        // A device without VMM (FAKE_CUDA_NO_VMM) is refused before cuMemCreate is called.
         let e = VmmAllocation::new(&dev, 1 << 20).unwrap_err();
         assert!(
             matches!(
                 e,
-                Error::MissingSymbol {
-                    symbol: "cuMemCreate",
+                Error::Unsupported {
+                    feature: "VMM (cuMemCreate)",
                     ..
                 }
             ),
             "{e:?}"
         );
+        // No fabric support reported: the probe says so instead of failing.
         assert!(nvlink_p2p::fabric_support(&dev).unwrap().is_err());
-        // Nor cuMemGetHandleForAddressRange: DMA-BUF likewise.
+        // The stand-in has no cuMemGetHandleForAddressRange: DMA-BUF is refused before cudarc
+        // could panic on the missing symbol.
         let buf = Arc::new(dev.alloc(8192).unwrap());
         let e = DmaBuf::export(&buf, 0, 4096).unwrap_err();
         assert!(
@@ -463,5 +388,9 @@ fn plumbing_missing_features_are_typed() {
         );
         return;
     }
-    run_with(Stub::Host, "plumbing_missing_features_are_typed", &[]);
+    run_with(
+        Stub::Host,
+        "plumbing_missing_features_are_typed",
+        &[("FAKE_CUDA_NO_VMM", "1")],
+    );
 }

@@ -2,9 +2,12 @@
  * plumbing of nvlink-p2p (argument passing, ownership, cache, error mapping) on machines
  * without a GPU. It is not a GPU: copies are memcpy, events and streams are tokens.
  * Written for this project's tests; only the entry points the tests reach exist. */
+#define _GNU_SOURCE
 #include <stdlib.h>
 #include <string.h>
 #include <stdint.h>
+#include <unistd.h>
+#include <sys/mman.h>
 
 typedef unsigned long long dptr;
 #define OK 0
@@ -29,6 +32,8 @@ static int find(dptr p, dptr *base, size_t *size) {
     return 0;
 }
 
+static int valid(dptr p, size_t n) { dptr b; size_t s; return n == 0 || (find(p, &b, &s) && p + n <= b + s); }
+
 int cuInit(unsigned f) { (void)f; return OK; }
 int cuDriverGetVersion(int *v) { *v = 12080; return OK; }
 int cuDeviceGetCount(int *c) { const char *e = getenv("FAKE_CUDA_COUNT"); *c = e ? atoi(e) : 2; return OK; }
@@ -38,7 +43,9 @@ int cuDeviceGetAttribute(int *v, int attr, int dev) {
     switch (attr) {
     case 33: *v = 0x40 + dev; break;           /* PCI bus id */
     case 115: *v = 0; break;                    /* memory pools: none, so cudarc uses cuMemAlloc */
-    default: *v = 0;
+    case 102: *v = getenv("FAKE_CUDA_NO_VMM") ? 0 : 1; break; /* virtual memory management */
+    case 103: *v = 1; break;                    /* POSIX fd shareable handles */
+    default: *v = 0;                            /* no fabric, no DMA-BUF, no VMM RDMA */
     }
     return OK;
 }
@@ -71,9 +78,71 @@ int cuMemFree_v2(dptr p) {
         if (allocs[i].p == p) { free((void *)(uintptr_t)p); allocs[i].p = 0; return OK; }
     return INVALID_VALUE;
 }
-int cuMemGetInfo_v2(size_t *fr, size_t *t) { *fr = 1ull << 34; *t = 1ull << 35; return OK; }
+/* VMM: a physical allocation is a memfd; mapping it maps the memfd. "Free memory" drops by
+ * the size of every live allocation handle, so a missing cuMemRelease shows as a leak. */
+static long long vmm_live;
+int cuMemGetInfo_v2(size_t *fr, size_t *t) { *t = 1ull << 36; *fr = (size_t)((1ll << 36) - vmm_live); return OK; }
+#define GRAN 65536
+typedef struct { int type_, handle_types, loc_type, loc_id; void *win32; unsigned char flags[8]; } prop_t;
+static struct { int fd; size_t n; } handles[MAXA];
+int cuMemGetAllocationGranularity(size_t *g, const prop_t *p, int opt) { (void)p; (void)opt; *g = GRAN; return OK; }
+static int new_handle(unsigned long long *h, int fd, size_t n) {
+    for (int i = 1; i < MAXA; i++)
+        if (!handles[i].fd) { handles[i].fd = fd + 1; handles[i].n = n; *h = i; vmm_live += n; return OK; }
+    close(fd);
+    return 2;
+}
+int cuMemCreate(unsigned long long *h, size_t n, const prop_t *p, unsigned long long f) {
+    if (f || n == 0 || n % GRAN || p->handle_types != 1) return INVALID_VALUE;
+    int fd = memfd_create("standin-vmm", MFD_CLOEXEC);
+    if (fd < 0 || ftruncate(fd, (off_t)n) != 0) return 2;
+    return new_handle(h, fd, n);
+}
+int cuMemRelease(unsigned long long h) {
+    if (h >= MAXA || !handles[h].fd) return INVALID_VALUE;
+    close(handles[h].fd - 1); handles[h].fd = 0; vmm_live -= (long long)handles[h].n;
+    return OK;
+}
+int cuMemExportToShareableHandle(void *out, unsigned long long h, int type, unsigned long long f) {
+    (void)f;
+    if (type != 1 || h >= MAXA || !handles[h].fd) return INVALID_VALUE;
+    *(int *)out = dup(handles[h].fd - 1);
+    return OK;
+}
+int cuMemImportFromShareableHandle(unsigned long long *h, void *os, int type) {
+    if (type != 1) return INVALID_VALUE;
+    int fd = dup((int)(intptr_t)os);
+    if (fd < 0) return INVALID_VALUE;
+    off_t n = lseek(fd, 0, SEEK_END);
+    return new_handle(h, fd, (size_t)n);
+}
+int cuMemAddressReserve(dptr *p, size_t n, size_t align, dptr addr, unsigned long long f) {
+    (void)align; (void)addr; (void)f;
+    void *m = mmap(0, n, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) return 2;
+    *p = (dptr)(uintptr_t)m;
+    return OK;
+}
+int cuMemAddressFree(dptr p, size_t n) { return munmap((void *)(uintptr_t)p, n) ? INVALID_VALUE : OK; }
+int cuMemMap(dptr p, size_t n, size_t off, unsigned long long h, unsigned long long f) {
+    (void)f;
+    if (h >= MAXA || !handles[h].fd) return INVALID_VALUE;
+    if (mmap((void *)(uintptr_t)p, n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, handles[h].fd - 1, (off_t)off) == MAP_FAILED) return INVALID_VALUE;
+    for (int i = 0; i < MAXA; i++)
+        if (!allocs[i].p) { allocs[i].p = p; allocs[i].n = n; return OK; }
+    return 2;
+}
+int cuMemSetAccess(dptr p, size_t n, const void *desc, size_t count) { (void)desc; return valid(p, n) && count == 1 ? OK : INVALID_VALUE; }
+int cuMemUnmap(dptr p, size_t n) {
+    for (int i = 0; i < MAXA; i++)
+        if (allocs[i].p == p) {
+            allocs[i].p = 0;
+            mmap((void *)(uintptr_t)p, n, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+            return OK;
+        }
+    return INVALID_VALUE;
+}
 int cuMemGetAddressRange_v2(dptr *b, size_t *s, dptr p) { return find(p, b, s) ? OK : INVALID_VALUE; }
-static int valid(dptr p, size_t n) { dptr b; size_t s; return n == 0 || (find(p, &b, &s) && p + n <= b + s); }
 int cuMemcpyHtoD_v2(dptr d, const void *s, size_t n) { if (!valid(d, n)) return INVALID_VALUE; memcpy((void *)(uintptr_t)d, s, n); return OK; }
 int cuMemcpyDtoH_v2(void *d, dptr s, size_t n) { if (!valid(s, n)) return INVALID_VALUE; memcpy(d, (void *)(uintptr_t)s, n); return OK; }
 int cuMemcpyDtoD_v2(dptr d, dptr s, size_t n) { if (!valid(d, n) || !valid(s, n)) return INVALID_VALUE; memmove((void *)(uintptr_t)d, (void *)(uintptr_t)s, n); return OK; }

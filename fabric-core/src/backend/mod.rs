@@ -69,6 +69,10 @@ pub struct Options {
     pub ring_bytes: usize,
     /// Largest piece one shm record carries.
     pub chunk_bytes: usize,
+    /// shm messages of at least this many bytes go by rendezvous: the receiver copies
+    /// straight out of the sender's registered region (one copy instead of two); 0 = never.
+    /// Default 2 KiB, or `FABRIC_SHM_RNDV_BYTES`.
+    pub rndv_bytes: usize,
     /// Largest message.
     pub max_message: usize,
     /// Address a TCP listener binds (`127.0.0.1:0` unless told otherwise).
@@ -83,11 +87,16 @@ impl Default for Options {
             max_in_flight: 256,
             ring_bytes: 2 << 20,
             chunk_bytes: 64 << 10,
+            rndv_bytes: env_usize("FABRIC_SHM_RNDV_BYTES").unwrap_or(2 << 10),
             max_message: 1 << 30,
             tcp_bind: "127.0.0.1:0".into(),
             handshake_timeout: Duration::from_secs(10),
         }
     }
+}
+
+fn env_usize(name: &str) -> Option<usize> {
+    std::env::var(name).ok()?.trim().parse().ok()
 }
 
 /// A listener of one backend. `accept` never blocks.

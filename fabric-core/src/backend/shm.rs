@@ -59,11 +59,19 @@ const ANN_LEN: usize = 32;
 const MAX_REMOTE_REGIONS: usize = 65_536;
 const CHAN_HDR: usize = 4096;
 const OFF_SLEEP: [usize; 2] = [1024, 1152];
+/// Rendezvous messages side `i` has finished reading out of the other side's memory.
+const OFF_RNDV_DONE: [usize; 2] = [1280, 1408];
 const MAX_RING: usize = 1 << 30;
 
 const K_FIRST: u8 = 1;
 const K_CONT: u8 = 2;
 const K_ANNOUNCE: u8 = 3;
+/// A rendezvous message: payload = region id `u32`, offset `u64`, length `u64` in the
+/// sender's announced region; `aux` = total length.
+const K_RNDV: u8 = 4;
+const RNDV_LEN: usize = 20;
+/// Announcement flag: the region may be read by the peer for rendezvous sends.
+const ANN_RNDV: u32 = 1;
 
 fn probe() -> Result<()> {
     let fd = sys::memfd("fabric-probe", 4096).map_err(|e| Error::Unavailable {
@@ -120,6 +128,11 @@ impl Channel {
         // SAFETY: OFF_SLEEP[side] + 4 <= CHAN_HDR <= mapping length; aligned; the mapping
         // lives as long as `self`; the word is only accessed atomically.
         unsafe { AtomicU32::from_ptr(self.map.as_mut_ptr().add(OFF_SLEEP[side]) as *mut u32) }
+    }
+    fn rndv_done(&self, side: usize) -> &AtomicU64 {
+        // SAFETY: OFF_RNDV_DONE[side] + 8 <= CHAN_HDR; 8-aligned; lives with `self`; only
+        // accessed atomically.
+        unsafe { AtomicU64::from_ptr(self.map.as_mut_ptr().add(OFF_RNDV_DONE[side]) as *mut u64) }
     }
     /// (producer of ring `side -> other`, consumer of ring `other -> side`).
     fn ends(self: &Arc<Self>, side: usize) -> (Producer, Consumer) {
@@ -417,6 +430,10 @@ fn finish(
         peer_efd,
         epoll,
         remote: Vec::new(),
+        rndv: opts.rndv_bytes,
+        rndv_out: std::collections::VecDeque::with_capacity(opts.max_in_flight),
+        rndv_seen: 0,
+        rndv_done: 0,
         rx_state: RxState::Idle,
         idle: 0,
         armed: false,
@@ -442,6 +459,7 @@ enum RxState {
 
 #[derive(Debug)]
 struct RemoteRegion {
+    rndv: bool,
     key: u64,
     access: Access,
     len: usize,
@@ -463,6 +481,14 @@ struct ShmHal {
     peer_efd: OwnedFd,
     epoll: OwnedFd,
     remote: Vec<Option<RemoteRegion>>,
+    /// Rendezvous threshold (0 = off).
+    rndv: usize,
+    /// Our rendezvous sends the peer has not finished reading, oldest first.
+    rndv_out: std::collections::VecDeque<Token>,
+    /// How many of our rendezvous sends the peer reported finished.
+    rndv_seen: u64,
+    /// How many of the peer's rendezvous messages we finished.
+    rndv_done: u64,
     rx_state: RxState,
     idle: u32,
     armed: bool,
@@ -487,6 +513,20 @@ impl ShmHal {
         let p = t.get(token).expect("queued token is live");
         let desc = p.desc;
         match desc {
+            OpDesc::Send if self.rndv > 0 && p.buf.len() >= self.rndv => {
+                // Rendezvous: the region is announced (registered >= threshold); the peer
+                // copies straight out of it and counts it done in the channel header.
+                let mut rec = [0u8; RNDV_LEN];
+                rec[0..4].copy_from_slice(&p.buf.region().id().to_le_bytes());
+                rec[4..12].copy_from_slice(&(p.buf.offset() as u64).to_le_bytes());
+                rec[12..20].copy_from_slice(&(p.buf.len() as u64).to_le_bytes());
+                if !self.tx.push(K_RNDV, p.buf.len() as u64, &rec) {
+                    return Ok(Step::Blocked(false));
+                }
+                t.submit_pop();
+                self.rndv_out.push_back(token);
+                Ok(Step::Done)
+            }
             OpDesc::Send => {
                 let total = p.buf.len();
                 let mut done = p.progress;
@@ -636,7 +676,7 @@ impl ShmHal {
                 }
             }
         }
-        let (rid, len, key, access) = decode_announcement(&b)?;
+        let (rid, len, key, access, flags) = decode_announcement(&b)?;
         if rid as u64 != id || fds.len() != 1 || rid as usize >= MAX_REMOTE_REGIONS {
             return Err(Error::Protocol(
                 "announcement does not match its record".into(),
@@ -655,6 +695,7 @@ impl ShmHal {
             self.remote.resize_with(idx + 1, || None);
         }
         self.remote[idx] = Some(RemoteRegion {
+            rndv: flags & ANN_RNDV != 0,
             key,
             access,
             len: len as usize,
@@ -729,6 +770,57 @@ impl ShmHal {
                     }
                 }
                 (K_ANNOUNCE, _) => self.take_announcement(rec.aux)?,
+                (K_RNDV, RxState::Idle) => {
+                    let Some(token) = t.recv_front() else { break };
+                    if rec.len != RNDV_LEN {
+                        return Err(Error::Protocol(
+                            "rendezvous record of the wrong size".into(),
+                        ));
+                    }
+                    let mut b = [0u8; RNDV_LEN];
+                    // SAFETY: the payload has RNDV_LEN bytes (checked), validated by `peek`.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            self.rx.payload_ptr(&rec),
+                            b.as_mut_ptr(),
+                            RNDV_LEN,
+                        )
+                    };
+                    let rid = u32::from_le_bytes(b[0..4].try_into().unwrap_or_default()) as usize;
+                    let off = u64::from_le_bytes(b[4..12].try_into().unwrap_or_default());
+                    let len = u64::from_le_bytes(b[12..20].try_into().unwrap_or_default());
+                    let src = match self.remote.get(rid).and_then(|r| r.as_ref()) {
+                        Some(r)
+                            if r.rndv
+                                && len == rec.aux
+                                && check_range(off, len, r.len as u64).is_ok() =>
+                        {
+                            // SAFETY: off + len <= r.len <= the mapping's length.
+                            unsafe { r.map.as_mut_ptr().add(off as usize) }
+                        }
+                        _ => {
+                            return Err(Error::Protocol(
+                                "rendezvous from an unannounced range".into(),
+                            ))
+                        }
+                    };
+                    let len = len as usize;
+                    t.recv_pop();
+                    let p = t.get(token).expect("live recv");
+                    if len > p.buf.len() {
+                        t.complete(token, Status::MessageTooLong, len, 0);
+                    } else {
+                        // SAFETY: `src` has `len` bytes of the peer's region, which the peer
+                        // does not reuse until we count this message done; the receive
+                        // buffer has at least `len` bytes.
+                        unsafe { std::ptr::copy_nonoverlapping(src, p.buf.as_ptr(), len) };
+                        t.complete(token, Status::Success, len, 0);
+                    }
+                    self.rndv_done += 1;
+                    self.chan
+                        .rndv_done(self.side)
+                        .store(self.rndv_done, Ordering::Release);
+                }
                 (kind, _) => {
                     return Err(Error::Protocol(format!(
                         "unexpected record kind {kind} in state {:?}",
@@ -749,6 +841,12 @@ impl ShmHal {
         b[8..16].copy_from_slice(&(r.len() as u64).to_le_bytes());
         b[16..24].copy_from_slice(&r.inner.key.to_le_bytes());
         b[24..28].copy_from_slice(&r.access().bits().to_le_bytes());
+        let flags = if self.rndv > 0 && r.len() >= self.rndv {
+            ANN_RNDV
+        } else {
+            0
+        };
+        b[28..32].copy_from_slice(&flags.to_le_bytes());
         let fd = r.inner.fd.as_ref().expect("shm regions have a memfd");
         let end = Instant::now() + Duration::from_secs(5);
         while !sys::send_with_fds(self.sock.as_fd(), &b, &[fd.as_fd()])? {
@@ -768,13 +866,13 @@ impl ShmHal {
     }
 }
 
-/// Decodes a region announcement: `(region id, len, key, access)`.
+/// Decodes a region announcement: `(region id, len, key, access, flags)`.
 ///
 /// # Errors
 /// A [`DecodeError`](crate::DecodeError) for a wrong length, magic or access bits.
 pub fn decode_announcement(
     b: &[u8],
-) -> std::result::Result<(u32, u64, u64, Access), crate::DecodeError> {
+) -> std::result::Result<(u32, u64, u64, Access, u32), crate::DecodeError> {
     use crate::DecodeError as D;
     if b.len() != ANN_LEN {
         return Err(D::Truncated {
@@ -805,7 +903,14 @@ pub fn decode_announcement(
             max: isize::MAX as u64,
         });
     }
-    Ok((id, len, key, access))
+    let flags = u32::from_le_bytes(b[28..32].try_into().unwrap_or_default());
+    if flags & !ANN_RNDV != 0 {
+        return Err(D::Invalid {
+            what: "shm announcement flags",
+            value: flags as u64,
+        });
+    }
+    Ok((id, len, key, access, flags))
 }
 
 impl Consumer {
@@ -835,7 +940,7 @@ impl Hal for ShmHal {
             map,
             Some(fd),
         );
-        if access.is_remote() {
+        if access.is_remote() || (self.rndv > 0 && len >= self.rndv) {
             self.send_announcement(&r)?;
         }
         t.add_region(r.clone());
@@ -861,6 +966,19 @@ impl Hal for ShmHal {
         }
         if self.receive(t)? {
             moved = true;
+        }
+        if !self.rndv_out.is_empty() {
+            let done = self.chan.rndv_done(1 - self.side).load(Ordering::Acquire);
+            if done < self.rndv_seen || done - self.rndv_seen > self.rndv_out.len() as u64 {
+                return Err(Error::Protocol("rendezvous counter out of range".into()));
+            }
+            while self.rndv_seen < done {
+                self.rndv_seen += 1;
+                let tok = self.rndv_out.pop_front().expect("counted");
+                let n = t.get(tok).map_or(0, |p| p.buf.len());
+                t.complete(tok, Status::Success, n, 0);
+                moved = true;
+            }
         }
         if moved {
             self.idle = 0;

@@ -3,9 +3,11 @@
 
 mod endpoint;
 mod request;
+mod scope;
 
 pub use endpoint::{Endpoint, EndpointDecodeError};
 pub use request::{SendBatch, SendRequest, UdDest, MAX_BATCH};
+pub use scope::Scope;
 
 use crate::ah::AhAttr;
 use crate::cq::{CompletionQueue, CqInner};
@@ -475,6 +477,7 @@ impl QpCore {
                 bufs,
                 user: wr_id,
                 _ah: None,
+                scoped: false,
             },
         ) {
             Ok(id) => id,
@@ -770,7 +773,9 @@ impl<T: Transport> QueuePair<T> {
     }
 
     /// The raw `ibv_qp` pointer, for use with the raw layer or other C code. The QP stays
-    /// owned by `self`.
+    /// owned by `self`; work posted through it from C must follow the contract of
+    /// [`post_send_raw`](Self::post_send_raw) (odd `wr_id`s, memory kept valid until
+    /// completion), and the QP must not be modified or destroyed through it.
     pub fn as_raw(&self) -> *mut ibv_qp {
         self.core.qp
     }

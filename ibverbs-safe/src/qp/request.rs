@@ -137,7 +137,7 @@ impl SendRequest {
     }
 
     /// Validates against the transport and QP limits and fills `wr`/`sges` (all but wr_id).
-    fn encode<T: Transport>(
+    pub(super) fn encode<T: Transport>(
         &self,
         max_sge: usize,
         max_inline: u32,
@@ -151,16 +151,11 @@ impl SendRequest {
                 "more buffers than the QP's max_send_sge",
             ));
         }
-        let total = self.bufs.total_len();
+        let (n, total) = self.bufs.encode(sges);
         if self.flags & sys::IBV_SEND_INLINE != 0 && total > max_inline as u64 {
             return Err(Error::InvalidRequest(
                 "inline data larger than the QP's max_inline_data",
             ));
-        }
-        let mut n = 0;
-        for (i, s) in self.bufs.iter().enumerate() {
-            sges[i] = s.sge();
-            n = i + 1;
         }
         wr.next = std::ptr::null_mut();
         wr.sg_list = sges.as_mut_ptr();
@@ -281,6 +276,15 @@ impl SendRequest {
         Ok(())
     }
 
+    /// Length of the remote window of WRITE/READ/atomics.
+    pub(super) fn remote_len(&self) -> Option<u64> {
+        match &self.op {
+            Op::Write(r) | Op::Read(r) => Some(r.len),
+            Op::CompareSwap { remote, .. } | Op::FetchAdd { remote, .. } => Some(remote.len),
+            _ => None,
+        }
+    }
+
     fn ah(&self) -> Option<AddressHandle> {
         match &self.op {
             Op::SendTo(d) => Some(d.ah.clone()),
@@ -289,7 +293,7 @@ impl SendRequest {
     }
 }
 
-fn blank_wr() -> ibv_send_wr {
+pub(super) fn blank_wr() -> ibv_send_wr {
     ibv_send_wr {
         wr_id: 0,
         next: std::ptr::null_mut(),
@@ -388,6 +392,7 @@ impl<T: Transport> QueuePair<T> {
                 bufs,
                 user: wr_id,
                 _ah: ah,
+                scoped: false,
             },
         ) {
             Ok(id) => id,
@@ -477,6 +482,7 @@ impl<T: Transport> QueuePair<T> {
                     bufs,
                     user: wr_id,
                     _ah: ah,
+                    scoped: false,
                 },
             ) {
                 Ok(id) => {
@@ -593,6 +599,7 @@ impl<T: Transport> QueuePair<T> {
                     bufs: SgList::new(),
                     user: wr_id,
                     _ah: None,
+                    scoped: false,
                 },
             )
             .map_err(|_| Error::QueueFull {

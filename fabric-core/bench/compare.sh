@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Side-by-side figures for BENCHMARKS.md: fabric-core shm/tcp against UCX (`ucx_perftest`,
+# Debian's ucx-utils) and against single-thread memcpy, all measured in this one run.
+#
+#   bash fabric-core/bench/compare.sh            # prints a markdown table (and raw lines to stderr)
+#   ITERS=20000 BW_ITERS=400 bash fabric-core/bench/compare.sh
+#
+# Latency: median one-way (half round trip) of ping-pong, ours (`pingpong` "t_typical")
+# vs UCX tag_lat "50.0%ile". Bandwidth: streaming two-sided sends, ours (`bandwidth`
+# "send", best of 3) vs UCX tag_bw "overall" (UCX prints MB/s = 2^20 bytes/s), and vs
+# `memcpy` measured by the same `bandwidth` run. UCX runs with UCX_TLS=posix,self (shm)
+# or UCX_TLS=tcp (tcp), both processes on this host.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+ITERS=${ITERS:-20000}
+BW_ITERS=${BW_ITERS:-300}
+command -v ucx_perftest >/dev/null || { echo "ucx_perftest not found: apt-get install ucx-utils" >&2; exit 1; }
+cargo build --release --example pingpong --example bandwidth >&2
+PP=target/release/examples/pingpong
+BW=target/release/examples/bandwidth
+port=$((20000 + RANDOM % 20000))
+
+# ucx TLS TEST SIZE ITERS -> "median_latency_us overall_bw_MiBs"
+ucx() {
+  local tls=$1 test=$2 size=$3 n=$4 out srv
+  port=$((port + 1))
+  UCX_TLS=$tls timeout 300 ucx_perftest -p "$port" -t "$test" -s "$size" -n "$n" >/dev/null 2>&1 &
+  srv=$!
+  sleep 0.5
+  out=$(UCX_TLS=$tls timeout 300 ucx_perftest localhost -p "$port" -t "$test" -s "$size" -n "$n" 2>&1 | grep '^Final:' || true)
+  wait "$srv" 2>/dev/null || true
+  echo "ucx $tls $test $size: $out" >&2
+  echo "$out" | awk '{print $3, $7}'
+}
+# ours_lat TRANSPORT SIZE ITERS -> median one-way latency (us)
+ours_lat() {
+  local out
+  out=$(FABRIC_TRANSPORT=$1 "$PP" --min-size "$2" --max-size "$2" --iters "$3" --no-bw </dev/null)
+  echo "ours $1 lat $2: $(echo "$out" | tail -1)" >&2
+  echo "$out" | awk -v s="$2" '$1 == s {print $3}'
+}
+# ours_bw TRANSPORT SIZE ITERS -> "send_MiBs memcpy_MiBs"
+ours_bw() {
+  local out
+  out=$(FABRIC_TRANSPORT=$1 "$BW" --modes send --min-size "$2" --max-size "$2" --iters "$3" --trials 3 </dev/null)
+  echo "ours $1 bw $2: $(echo "$out" | tail -1)" >&2
+  echo "$out" | awk -v s="$2" '$1 == s {print $2, $3}'
+}
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "n/a" }'; }
+
+echo "Measured $(date -u +%Y-%m-%dT%H:%MZ) on $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg); command: bash fabric-core/bench/compare.sh (ITERS=$ITERS BW_ITERS=$BW_ITERS)"
+echo
+echo "| transport | figure | size | ours | reference | ratio ours/ref | target |"
+echo "| --- | --- | ---: | ---: | ---: | ---: | --- |"
+for s in 8 4096 65536; do
+  o=$(ours_lat shm "$s" "$ITERS"); u=$(ucx posix,self tag_lat "$s" "$ITERS" | cut -d' ' -f1)
+  echo "| shm | latency median (us) | $s | $o | UCX posix $u | $(ratio "$o" "$u") | <= 1.0 |"
+done
+for s in 1048576 4194304; do
+  read -r o m < <(ours_bw shm "$s" "$BW_ITERS")
+  u=$(ucx posix,self tag_bw "$s" "$BW_ITERS" | cut -d' ' -f2)
+  echo "| shm | bandwidth (MiB/s) | $s | $o | memcpy $m | $(ratio "$o" "$m") | >= 0.9 (UCX posix: $u) |"
+done
+for s in 8 65536; do
+  o=$(ours_lat tcp "$s" "$((ITERS / 4))"); u=$(ucx tcp tag_lat "$s" "$((ITERS / 4))" | cut -d' ' -f1)
+  echo "| tcp | latency median (us) | $s | $o | UCX tcp $u | $(ratio "$o" "$u") | <= 1.1 |"
+done
+for s in 1048576 4194304; do
+  read -r o m < <(ours_bw tcp "$s" "$BW_ITERS")
+  u=$(ucx tcp tag_bw "$s" "$BW_ITERS" | cut -d' ' -f2)
+  echo "| tcp | bandwidth (MiB/s) | $s | $o | UCX tcp $u | $(ratio "$o" "$u") | >= 0.9 |"
+done

@@ -1,0 +1,102 @@
+//! The README's main job, end to end: `pingpong` with no peer arguments spawns its own
+//! peer and prints the table (shm, then tcp via `FABRIC_TRANSPORT`); `bandwidth` and
+//! `fabric_info` run to completion. `cargo test` builds the examples next to the test
+//! binaries (`target/<profile>/examples/`).
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn example(name: &str) -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let p = exe.parent()?.parent()?.join("examples").join(name);
+    p.exists().then_some(p)
+}
+
+fn run(name: &str, args: &[&str], env: &[(&str, &str)]) -> Option<String> {
+    let Some(path) = example(name) else {
+        println!("skipped: example binary {name} not built next to this test");
+        return None;
+    };
+    let mut cmd = Command::new(path);
+    cmd.args(args).env_remove("FABRIC_TRANSPORT");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("run example");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{name} {args:?} failed: {}\nstdout:\n{stdout}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Some(stdout)
+}
+
+fn rows(out: &str) -> Vec<Vec<String>> {
+    out.lines()
+        .filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit()))
+        .map(|l| l.split_whitespace().map(str::to_string).collect())
+        .collect()
+}
+
+#[test]
+fn pingpong_main_job_over_shm_and_tcp() {
+    for (transport, expect) in [("", "transport shm"), ("tcp", "transport tcp")] {
+        let env: Vec<(&str, &str)> = if transport.is_empty() {
+            vec![]
+        } else {
+            vec![("FABRIC_TRANSPORT", transport)]
+        };
+        let Some(out) = run("pingpong", &["--max-size", "65536", "--iters", "200"], &env) else {
+            return;
+        };
+        assert!(out.contains(expect), "{out}");
+        let r = rows(&out);
+        let sizes: Vec<&str> = r.iter().map(|r| r[0].as_str()).collect();
+        assert_eq!(sizes.first(), Some(&"8"), "{out}");
+        assert_eq!(sizes.last(), Some(&"65536"), "{out}");
+        for row in &r {
+            let lat: f64 = row[2].parse().expect("latency figure");
+            let bw: f64 = row[4].parse().expect("bandwidth figure");
+            assert!(lat > 0.0 && bw >= 0.0, "{row:?}");
+        }
+    }
+}
+
+#[test]
+fn bandwidth_all_modes() {
+    let Some(out) = run(
+        "bandwidth",
+        &[
+            "--min-size",
+            "65536",
+            "--max-size",
+            "1048576",
+            "--iters",
+            "50",
+            "--trials",
+            "1",
+        ],
+        &[],
+    ) else {
+        return;
+    };
+    let r = rows(&out);
+    assert_eq!(r.len(), 5, "{out}");
+    for row in &r {
+        for v in &row[1..6] {
+            assert!(v.parse::<f64>().expect("figure") > 0.0, "{row:?}");
+        }
+    }
+}
+
+#[test]
+fn fabric_info_reports_without_panicking() {
+    let Some(out) = run("fabric_info", &[], &[]) else {
+        return;
+    };
+    assert!(out.contains("== transports"), "{out}");
+    assert!(out.contains("shm       usable"), "{out}");
+    assert!(out.contains("tcp       usable"), "{out}");
+}
