@@ -10,7 +10,7 @@ fuzz_target!(|data: &[u8]| {
         assert_eq!(data.len(), 24);
         assert!(cap == 0 || (cap.is_power_of_two() && (4096..=1 << 30).contains(&cap)));
     }
-    if let Ok((_id, len, _key, _access)) = decode_announcement(data) {
+    if let Ok((_id, len, ..)) = decode_announcement(data) {
         assert_eq!(data.len(), 32);
         assert!(len <= isize::MAX as u64);
     }
