@@ -6,8 +6,9 @@
 //!     [--iters 500] [--rounds 41] [--size 8] [--depth 32]
 //! ```
 //!
-//! Two patterns, each measured in many short rounds alternating safe and raw (the order
-//! flips every round, so drift favours neither), reported as medians per message:
+//! Three variants — safe with owned handles, safe scoped (borrowing), raw — in two patterns,
+//! each measured in many short interleaved rounds (the order rotates every round, so drift
+//! favours none), reported as medians per message:
 //! * `latency`: post one signalled WRITE, poll until it completed, repeat;
 //! * `pipelined`: keep `depth` signalled WRITEs in flight, polling completions in batches.
 //!
@@ -81,6 +82,7 @@ fn safe_round(
             posted += 1;
         }
         in_post += p0.elapsed();
+        settle();
         let n = cq.poll(out).expect("poll");
         for c in &out[..n] {
             assert!(c.is_ok(), "completion error {}", c.status());
@@ -90,6 +92,44 @@ fn safe_round(
             panic!("timed out");
         }
     }
+    (t0.elapsed(), in_post)
+}
+
+/// Safe scoped API: posts borrow the region (no handle per post); the scope waits at the end.
+#[allow(clippy::too_many_arguments)]
+fn scoped_round(
+    qp: &mut QueuePair<Rc>,
+    cq: &mut CompletionQueue,
+    src: &MemoryRegion,
+    len: usize,
+    remote: RemoteMemory,
+    iters: usize,
+    depth: usize,
+    out: &mut [Completion],
+) -> (Duration, Duration) {
+    let t0 = Instant::now();
+    let mut in_post = Duration::ZERO;
+    qp.scope(cq, TIMEOUT, |s| {
+        let (mut posted, mut done) = (0usize, 0usize);
+        while done < iters {
+            let p0 = Instant::now();
+            while posted < iters && posted - done < depth {
+                s.write(src, ..len, remote, posted as u64).expect("post");
+                posted += 1;
+            }
+            in_post += p0.elapsed();
+            settle();
+            let n = s.poll(out).expect("poll");
+            for c in &out[..n] {
+                assert!(c.is_ok(), "completion error {}", c.status());
+            }
+            done += n;
+            if n == 0 && t0.elapsed() > TIMEOUT {
+                panic!("timed out");
+            }
+        }
+    })
+    .expect("scope");
     (t0.elapsed(), in_post)
 }
 
@@ -132,6 +172,7 @@ fn raw_round(
             posted += 1;
         }
         in_post += p0.elapsed();
+        settle();
         let n = cq.poll_raw(wcs).expect("raw poll");
         for wc in &wcs[..n] {
             assert_eq!(wc.status, 0, "completion error");
@@ -142,6 +183,15 @@ fn raw_round(
         }
     }
     (t0.elapsed(), in_post)
+}
+
+/// With `BENCH_SETTLE=1`, wait before each poll so the burst has completed: every poll then
+/// finds work and no spin loop runs, which makes instruction counts (callgrind) exact.
+fn settle() {
+    static SETTLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *SETTLE.get_or_init(|| std::env::var_os("BENCH_SETTLE").is_some()) {
+        std::thread::sleep(Duration::from_millis(2));
+    }
 }
 
 fn median(v: &mut Vec<f64>) -> f64 {
@@ -188,82 +238,83 @@ fn main() -> Result<()> {
     let mut wcs = vec![ibv_wc::default(); a.depth.max(16)];
 
     println!(
-        "post+poll cost, RC RDMA WRITE of {} B on {} (GID {gid}): {} pairs of rounds x {} messages, \
-         safe and raw alternating; medians",
+        "post+poll cost, RC RDMA WRITE of {} B on {} (GID {gid}): {} rounds x {} messages per variant, \
+         variants interleaved (order rotates every round); medians",
         a.size,
         ctx.device().name,
         a.rounds,
         a.iters
     );
     println!(
-        "{:<10} {:>5} {:>11} {:>11} {:>7} {:>7} {:>11} {:>11} {:>7}",
+        "{:<10} {:>5} {:>12} {:>12} {:>12} {:>11} {:>11} {:>13} {:>13}",
         "pattern",
         "depth",
-        "safe ns/msg",
+        "owned ns/msg",
+        "scoped ns/msg",
         "raw ns/msg",
-        "ratio",
-        "paired",
-        "safe post",
-        "raw post",
-        "ratio"
+        "owned/raw",
+        "scoped/raw",
+        "paired owned",
+        "paired scoped"
     );
-    for (name, d) in [("latency", 1usize), ("pipelined", a.depth)] {
+    let only = std::env::var("BENCH_ONLY").unwrap_or_default();
+    let names = ["owned", "scoped", "raw"];
+    let patterns: &[(&str, usize)] = if std::env::var_os("BENCH_SETTLE").is_some() {
+        &[("pipelined", a.depth)]
+    } else {
+        &[("latency", 1), ("pipelined", a.depth)]
+    };
+    for &(name, d) in patterns {
         // Warm-up.
         safe_round(&mut qp, &mut cq, &src, remote, a.iters, d, &mut out);
+        scoped_round(
+            &mut qp, &mut cq, &src_mr, a.size, remote, a.iters, d, &mut out,
+        );
         raw_round(&mut qp, &mut cq, &src, remote, a.iters, d, &mut wcs);
-        let (mut s, mut r, mut sp, mut rp, mut pair) = (vec![], vec![], vec![], vec![], vec![]);
+        let mut t: [Vec<f64>; 3] = Default::default();
+        let (mut pair_owned, mut pair_scoped) = (vec![], vec![]);
         let per = |t: Duration| t.as_nanos() as f64 / a.iters as f64;
         for round in 0..a.rounds {
-            // Alternate which variant goes first, so drift favours neither.
-            let (mut ts, mut tr) = (0.0, 0.0);
-            for variant in if round % 2 == 0 { [0, 1] } else { [1, 0] } {
-                let only = std::env::var("BENCH_ONLY").unwrap_or_default();
-                if (only == "safe" && variant == 1) || (only == "raw" && variant == 0) {
-                    if variant == 0 {
-                        ts = f64::NAN;
-                    } else {
-                        tr = f64::NAN;
-                    }
+            let mut this = [f64::NAN; 3];
+            for k in 0..3 {
+                let v = (round + k) % 3;
+                if !only.is_empty() && only != names[v] {
                     continue;
                 }
-                if variant == 0 {
-                    let (t, p) = safe_round(&mut qp, &mut cq, &src, remote, a.iters, d, &mut out);
-                    ts = per(t);
-                    s.push(ts);
-                    sp.push(per(p));
-                } else {
-                    let (t, p) = raw_round(&mut qp, &mut cq, &src, remote, a.iters, d, &mut wcs);
-                    tr = per(t);
-                    r.push(tr);
-                    rp.push(per(p));
-                }
+                let (total, _in_post) = match v {
+                    0 => safe_round(&mut qp, &mut cq, &src, remote, a.iters, d, &mut out),
+                    1 => scoped_round(
+                        &mut qp, &mut cq, &src_mr, a.size, remote, a.iters, d, &mut out,
+                    ),
+                    _ => raw_round(&mut qp, &mut cq, &src, remote, a.iters, d, &mut wcs),
+                };
+                this[v] = per(total);
+                t[v].push(this[v]);
             }
-            pair.push(ts / tr);
+            pair_owned.push(this[0] / this[2]);
+            pair_scoped.push(this[1] / this[2]);
         }
         if std::env::var_os("BENCH_VERBOSE").is_some() {
-            println!("  safe rounds: {s:.0?}\n  raw rounds:  {r:.0?}");
+            for (n, v) in names.iter().zip(&t) {
+                println!("  {n} rounds: {v:.0?}");
+            }
         }
-        let (ms, mr, msp, mrp, mpair) = (
-            median(&mut s),
-            median(&mut r),
-            median(&mut sp),
-            median(&mut rp),
-            median(&mut pair),
-        );
+        let [mut o, mut sc, mut r] = t;
+        let (mo, ms, mr) = (median(&mut o), median(&mut sc), median(&mut r));
         println!(
-            "{:<10} {:>5} {:>11.0} {:>11.0} {:>7.3} {:>7.3} {:>11.0} {:>11.0} {:>7.3}",
+            "{:<10} {:>5} {:>12.0} {:>12.0} {:>12.0} {:>11.3} {:>11.3} {:>13.3} {:>13.3}",
             name,
             d,
+            mo,
             ms,
             mr,
+            mo / mr,
             ms / mr,
-            mpair,
-            msp,
-            mrp,
-            msp / mrp
+            median(&mut pair_owned),
+            median(&mut pair_scoped)
         );
     }
-    println!("(ratio = safe/raw of the medians; paired = median of per-round safe/raw ratios; post = time inside the post calls)");
+    println!("(owned: SendRequest with an MrSlice handle per post; scoped: QueuePair::scope borrowing the region; raw: post_send_raw/poll_raw; paired = median of per-round ratios to raw)");
     drop(out);
     drop(src);
     assert_eq!(src_mr.outstanding(), 0, "every handle came back");

@@ -57,6 +57,7 @@ impl std::fmt::Debug for SgList {
 
 impl SgList {
     /// An empty list (a zero-length message).
+    #[inline]
     pub fn new() -> Self {
         Self::default()
     }
@@ -164,6 +165,8 @@ pub(crate) struct SlotData {
     pub(crate) user: u64,
     /// UD sends keep their address handle alive until completion.
     pub(crate) _ah: Option<AddressHandle>,
+    /// Posted inside a [`QueuePair::scope`](crate::QueuePair::scope) (borrows, no handles).
+    pub(crate) scoped: bool,
 }
 
 const FREE: u8 = 0;
@@ -341,6 +344,7 @@ mod tests {
             bufs: SgList::new(),
             user,
             _ah: None,
+            scoped: false,
         }
     }
 
@@ -406,6 +410,7 @@ mod loom_models {
             bufs: SgList::new(),
             user,
             _ah: None,
+            scoped: false,
         }
     }
 

@@ -90,6 +90,15 @@
 //! re-registers it for local use and deregisters the remote registration (after which no
 //! peer can reach it). Handles, too, only copy.
 //!
+//! **Scopes borrow instead.** [`QueuePair::scope`] (like `std::thread::scope`) lets work
+//! requests borrow registered memory — `&'env MemoryRegion` for SEND/WRITE sources,
+//! `&'env mut` for READ targets — with no handle per post. The scope cannot end, not even by
+//! a panic, before every work request posted in it completed (it polls the QP's send CQ and
+//! keeps other completions for the next [`CompletionQueue::poll`]); if they do not complete
+//! in time, the QP is moved to ERR to flush them, and failing even that the process aborts
+//! rather than release memory the device may still use. The [`Scope`] is only ever lent
+//! as `&mut` with invariant lifetimes, so `mem::forget`/`swap` cannot skip the wait.
+//!
 //! **Forgetting is sound.** `mem::forget` of a handle or region leaks memory (it stays
 //! registered); forgetting a QP leaks its in-flight table and so the buffers it holds —
 //! never freed while the device may use them.
@@ -201,7 +210,7 @@ pub use pd::ProtectionDomain;
 pub use port::{LinkLayer, Mtu, PortAttr, PortState};
 pub use qp::{
     Connected, Endpoint, EndpointDecodeError, PostError, PreparedQp, QpBuilder, QpState, QueuePair,
-    Rc, SendBatch, SendRequest, Transport, Uc, Ud, UdDest, MAX_BATCH,
+    Rc, Scope, SendBatch, SendRequest, Transport, Uc, Ud, UdDest, MAX_BATCH,
 };
 pub use result::drop_failures;
 

@@ -290,6 +290,24 @@ impl<B: RegionBuffer, A: AccessMode> MemoryRegion<B, A> {
         })
     }
 
+    /// The scatter/gather element of `range` (for scoped, borrowing work requests).
+    #[inline]
+    pub(crate) fn sge_of(&self, range: impl RangeBounds<usize>) -> Result<sys::ibv_sge> {
+        let (off, len) = range_of(range, self.inner.len)?;
+        if len > u32::MAX as usize {
+            return Err(Error::OutOfBounds {
+                offset: off,
+                len,
+                region_len: u32::MAX as usize,
+            });
+        }
+        Ok(sys::ibv_sge {
+            addr: self.inner.addr as u64 + off as u64,
+            length: len as u32,
+            lkey: self.inner.lkey,
+        })
+    }
+
     /// Copies `dst.len()` bytes starting at `offset` out of the region.
     ///
     /// Safe at any time: the copy goes through raw pointers (never a reference to memory the

@@ -114,6 +114,7 @@ impl SharedReceiveQueue {
                 bufs,
                 user: wr_id,
                 _ah: None,
+                scoped: false,
             },
         ) {
             Ok(id) => id,

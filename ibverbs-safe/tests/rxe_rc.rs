@@ -456,3 +456,71 @@ fn rxe_rc_drop_with_work_in_flight() {
         assert_eq!(drop_failures(), 0);
     }
 }
+
+/// Scoped work requests borrow registered memory (no handles) and the scope returns only
+/// after all of them completed — also when the closure panics.
+#[test]
+fn rxe_rc_scope_borrows_and_waits() {
+    for l in layouts("rxe_rc_scope_borrows_and_waits") {
+        let (mut a, mut b) = connected::<Rc>(&l, &Opts::default());
+        let target =
+            b.pd.register_remote(vec![0u8; 4096], RemoteAccess::WRITE | RemoteAccess::READ)
+                .unwrap();
+        let remote = rkey(target.remote());
+        let mut rx = b.pd.alloc_region(256).unwrap();
+        b.qp.post_recv(rx.slice(..).unwrap(), 5).unwrap();
+        let mut src = a.pd.alloc_region(4096).unwrap();
+        src.as_mut_slice().unwrap()[..16].copy_from_slice(b"scoped writes!!!");
+        let mut dst = a.pd.alloc_region(64).unwrap();
+        let n =
+            a.qp.scope(&mut a.cq, T, |s| {
+                for i in 0..8u64 {
+                    s.write(&src, ..16, remote.slice(i * 16, 16).unwrap(), i)
+                        .unwrap();
+                }
+                s.send(&src, ..16, 100).unwrap();
+                // Shared borrows stay readable while the device reads them.
+                assert_eq!(&src.as_slice().unwrap()[..6], b"scoped");
+                assert!(
+                    s.write(&src, ..4096, remote.slice(0, 16).unwrap(), 0)
+                        .is_err(),
+                    "bounds checked"
+                );
+                s.outstanding()
+            })
+            .unwrap();
+        assert_eq!(n, 9);
+        assert_eq!(a.qp.send_in_flight(), 0, "the scope waited for everything");
+        let mut got = [0u8; 16];
+        target.read_into(7 * 16, &mut got).unwrap();
+        assert_eq!(&got, b"scoped writes!!!");
+        wait(&mut b.cq, 1)[0].result().unwrap();
+        assert_eq!(&rx.as_slice().unwrap()[..16], b"scoped writes!!!");
+
+        // READ into an exclusively borrowed region.
+        a.qp.scope(&mut a.cq, T, |s| {
+            s.read(&mut dst, ..16, remote.slice(16, 16).unwrap(), 1)
+                .unwrap()
+        })
+        .unwrap();
+        assert_eq!(&dst.as_slice().unwrap()[..16], b"scoped writes!!!");
+
+        // A panic inside the scope still waits for the posted work before unwinding.
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            a.qp.scope(&mut a.cq, T, |s| {
+                s.write(&src, ..16, remote.slice(0, 16).unwrap(), 1)
+                    .unwrap();
+                panic!("boom");
+            })
+        }));
+        assert!(r.is_err());
+        assert_eq!(a.qp.send_in_flight(), 0);
+
+        // A scope needs the QP's own send CQ.
+        let mut other = l.a.create_cq(4).unwrap();
+        assert!(matches!(
+            a.qp.scope(&mut other, T, |_| ()),
+            Err(Error::InvalidArgument(_))
+        ));
+    }
+}

@@ -3,9 +3,11 @@
 
 mod endpoint;
 mod request;
+mod scope;
 
 pub use endpoint::{Endpoint, EndpointDecodeError};
 pub use request::{SendBatch, SendRequest, UdDest, MAX_BATCH};
+pub use scope::Scope;
 
 use crate::ah::AhAttr;
 use crate::cq::{CompletionQueue, CqInner};
@@ -475,6 +477,7 @@ impl QpCore {
                 bufs,
                 user: wr_id,
                 _ah: None,
+                scoped: false,
             },
         ) {
             Ok(id) => id,

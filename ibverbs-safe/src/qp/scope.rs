@@ -1,0 +1,267 @@
+//! Scoped work requests: post from *borrowed* registered memory, with the guarantee that the
+//! scope does not end before every work request posted in it has completed.
+#![allow(unsafe_code)]
+
+use super::request::SendRequest;
+use super::{QueuePair, Transport};
+use crate::buffer::RegionBuffer;
+use crate::cq::{Completion, CompletionQueue};
+use crate::error::{rc_error, Error, Result};
+use crate::inflight::{SgList, SlotData, MAX_SGE};
+use crate::mr::{AccessMode, Local, MemoryRegion, RemoteMemory};
+use crate::result::ops;
+use crate::sys::{self, ibv_qp_attr, ibv_send_wr, ibv_sge};
+use std::marker::PhantomData;
+use std::ops::RangeBounds;
+use std::time::{Duration, Instant};
+
+/// A scope of work requests that borrow registered memory for `'env` (see
+/// [`QueuePair::scope`]). Like `std::thread::scope`, it cannot end — not even by a panic —
+/// before every work request posted through it has completed, so the borrows are sound
+/// without handles; `mem::forget` cannot skip the wait because the scope is never handed out
+/// by value.
+///
+/// ```compile_fail,E0502
+/// # fn f(qp: &mut ibverbs_safe::QueuePair<ibverbs_safe::Rc>, cq: &mut ibverbs_safe::CompletionQueue,
+/// #      mut mr: ibverbs_safe::MemoryRegion, remote: ibverbs_safe::RemoteMemory) {
+/// qp.scope(cq, std::time::Duration::from_secs(1), |s| {
+///     s.write(&mr, ..64, remote, 1).unwrap();
+///     mr.as_mut_slice().unwrap()[0] = 1; // the device may be reading these bytes
+/// }).unwrap();
+/// # }
+/// ```
+pub struct Scope<'scope, 'env: 'scope, T: Transport> {
+    qp: &'scope mut QueuePair<T>,
+    cq: &'scope mut CompletionQueue,
+    outstanding: usize,
+    first_error: Option<crate::error::WcStatus>,
+    timeout: Duration,
+    /// Invariant in both lifetimes (as `std::thread::Scope`), so scopes cannot be swapped.
+    _env: PhantomData<(&'scope mut &'scope (), &'env mut &'env ())>,
+}
+
+impl<T: Transport> std::fmt::Debug for Scope<'_, '_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Scope")
+            .field("outstanding", &self.outstanding)
+            .finish()
+    }
+}
+
+impl<T: Transport> QueuePair<T> {
+    /// Runs `f` with a [`Scope`] whose work requests borrow registered memory instead of
+    /// owning handles (no reference counting per post). `cq` must be this QP's send CQ.
+    /// When `f` returns (or panics), the scope polls `cq` until every work request it posted
+    /// has completed; completions of other work polled meanwhile are kept in `cq` and handed
+    /// out by its next [`poll`](CompletionQueue::poll). If they do not all complete within
+    /// `timeout`, the QP is moved to the error state (which flushes them) and waited for
+    /// again; should even that fail, the process aborts rather than release borrowed memory
+    /// the device may still use.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `cq` is not the QP's send CQ; [`Error::Completion`]
+    /// with the first error status of a scoped work request; [`Error::Timeout`] if they had
+    /// to be flushed; [`Error::PollCq`].
+    pub fn scope<'env, R>(
+        &mut self,
+        cq: &mut CompletionQueue,
+        timeout: Duration,
+        f: impl for<'scope> FnOnce(&mut Scope<'scope, 'env, T>) -> R,
+    ) -> Result<R> {
+        if !std::sync::Arc::ptr_eq(&self.core._send_cq, &cq.inner) {
+            return Err(Error::InvalidArgument(
+                "scope: the CQ is not this QP's send CQ".into(),
+            ));
+        }
+        let mut s = Scope {
+            qp: self,
+            cq,
+            outstanding: 0,
+            first_error: None,
+            timeout,
+            _env: PhantomData,
+        };
+        let r = f(&mut s);
+        s.finish()?;
+        Ok(r)
+    }
+}
+
+impl<'scope, 'env, T: Transport> Scope<'scope, 'env, T> {
+    fn post(&mut self, req: SendRequest, sge: ibv_sge, wr_id: u64) -> Result<()> {
+        let core = &mut self.qp.core;
+        let mut sges = [ibv_sge::default(); MAX_SGE];
+        let mut wr = super::request::blank_wr();
+        req.encode::<T>(core.max_send_sge, core.max_inline, &mut wr, &mut sges)?;
+        if let Some(r) = req.remote_len() {
+            if sge.length as u64 > r {
+                return Err(Error::OutOfBounds {
+                    offset: 0,
+                    len: sge.length as usize,
+                    region_len: r as usize,
+                });
+            }
+        }
+        let mut sge = sge;
+        wr.sg_list = &mut sge;
+        wr.num_sge = 1;
+        wr.send_flags |= sys::IBV_SEND_SIGNALED; // every scoped WR must report back
+        let data = SlotData {
+            bufs: SgList::new(),
+            user: wr_id,
+            _ah: None,
+            scoped: true,
+        };
+        let id = core
+            .sq
+            .fill(&mut core.sq_head, data)
+            .map_err(|_| Error::QueueFull {
+                queue: "send queue",
+                depth: core.sq.depth(),
+            })?;
+        wr.wr_id = id;
+        let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: the QP is live; `wr`/`sge` are valid for the call; the SGE names memory of
+        // a region borrowed for 'env, and the scope does not end before the completion.
+        let rc = unsafe { ops::post_send(core.qp, &mut wr, &mut bad) };
+        if rc != 0 {
+            core.sq.unfill(id);
+            return Err(Error::PostSend {
+                qpn: core.qpn,
+                source: rc_error(rc),
+            });
+        }
+        core.sq.advance(&mut core.sq_head);
+        self.outstanding += 1;
+        Ok(())
+    }
+
+    /// SEND `range` of a borrowed region.
+    ///
+    /// # Errors
+    /// As [`QueuePair::post_send`] (nothing is posted on error).
+    #[inline]
+    pub fn send<B: RegionBuffer, A: AccessMode>(
+        &mut self,
+        mr: &'env MemoryRegion<B, A>,
+        range: impl RangeBounds<usize>,
+        wr_id: u64,
+    ) -> Result<()> {
+        let sge = mr.sge_of(range)?;
+        self.post(SendRequest::send(SgList::new()), sge, wr_id)
+    }
+
+    /// RDMA WRITE `range` of a borrowed region to `remote`.
+    ///
+    /// # Errors
+    /// As [`QueuePair::post_send`].
+    #[inline]
+    pub fn write<B: RegionBuffer, A: AccessMode>(
+        &mut self,
+        mr: &'env MemoryRegion<B, A>,
+        range: impl RangeBounds<usize>,
+        remote: RemoteMemory,
+        wr_id: u64,
+    ) -> Result<()> {
+        let sge = mr.sge_of(range)?;
+        self.post(SendRequest::write(SgList::new(), remote), sge, wr_id)
+    }
+
+    /// RDMA READ `remote` into `range` of an exclusively borrowed local region.
+    ///
+    /// # Errors
+    /// As [`QueuePair::post_send`].
+    #[inline]
+    pub fn read<B: RegionBuffer>(
+        &mut self,
+        mr: &'env mut MemoryRegion<B, Local>,
+        range: impl RangeBounds<usize>,
+        remote: RemoteMemory,
+        wr_id: u64,
+    ) -> Result<()> {
+        let sge = mr.sge_of(range)?;
+        self.post(SendRequest::read(SgList::new(), remote), sge, wr_id)
+    }
+
+    /// Work requests of this scope not completed yet.
+    pub fn outstanding(&self) -> usize {
+        self.outstanding
+    }
+
+    /// Polls the CQ (see [`CompletionQueue::poll`]); completions of this scope's work
+    /// requests are counted off.
+    ///
+    /// # Errors
+    /// [`Error::PollCq`].
+    #[inline]
+    pub fn poll(&mut self, out: &mut [Completion]) -> Result<usize> {
+        let n = self.cq.poll(out)?;
+        for c in &out[..n] {
+            self.count(c);
+        }
+        Ok(n)
+    }
+
+    #[inline]
+    fn count(&mut self, c: &Completion) -> bool {
+        if c.scoped && c.qp_num() == self.qp.core.qpn {
+            self.outstanding -= 1;
+            if !c.is_ok() && self.first_error.is_none() {
+                self.first_error = Some(c.status());
+            }
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Waits until nothing of this scope is outstanding (see [`QueuePair::scope`]).
+    fn wait(&mut self, timeout: Duration) -> Result<bool> {
+        let start = Instant::now();
+        let mut buf: [Completion; 8] = Default::default();
+        while self.outstanding > 0 {
+            let n = self.cq.poll(&mut buf)?;
+            for c in &mut buf[..n] {
+                if !self.count(c) {
+                    self.cq.stash.push_back(std::mem::take(c));
+                }
+            }
+            if n == 0 {
+                if start.elapsed() > timeout {
+                    return Ok(false);
+                }
+                std::thread::yield_now();
+            }
+        }
+        Ok(true)
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        if !self.wait(self.timeout)? {
+            // Flush what is left, then wait for the flush completions.
+            let mut a = ibv_qp_attr {
+                qp_state: sys::IBV_QPS_ERR,
+                ..Default::default()
+            };
+            let _ = self.qp.core.modify(&mut a, sys::IBV_QP_STATE, "ERR");
+            if !matches!(self.wait(self.timeout), Ok(true)) {
+                eprintln!("ibverbs-safe: scoped work requests never completed; aborting to keep borrowed memory safe");
+                std::process::abort();
+            }
+            return Err(Error::Timeout(self.timeout));
+        }
+        match self.first_error.take() {
+            Some(s) => Err(Error::Completion(s)),
+            None => Ok(()),
+        }
+    }
+}
+
+impl<T: Transport> Drop for Scope<'_, '_, T> {
+    fn drop(&mut self) {
+        // Normal exits already waited in `finish`; this covers a panic in the closure.
+        if self.outstanding > 0 {
+            let _ = self.finish();
+        }
+    }
+}
