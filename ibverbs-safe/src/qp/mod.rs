@@ -853,8 +853,9 @@ impl<T: Transport> QueuePair<T> {
 impl CompletionQueue {
     /// Polls raw work completions (no buffer hand-back): for work posted with the raw layer.
     ///
-    /// Completions of work requests posted through the safe API should not be polled this
-    /// way: their buffers then stay in flight until a later completion of the same queue
+    /// Completions kept back by a [`QueuePair::scope`] are not returned here (only by
+    /// [`poll`](Self::poll)). Completions of work requests posted through the safe API should
+    /// not be polled this way: their buffers then stay in flight until a later completion of the same queue
     /// retires them or the QP is dropped (sound, but the queue fills up).
     ///
     /// # Errors
