@@ -177,10 +177,12 @@ fn setup(a: &Args, size: usize) -> AnyResult<Side> {
     let tx_depth = if a.test.is_lat() { 1 } else { a.tx_depth };
     let scq = ctx.create_cq(tx_depth as u32 + 1)?;
     let rcq = ctx.create_cq(a.rx_depth as u32 + 1)?;
-    let mut src_mr = pd.alloc_region(size)?;
+    // page-aligned buffers, as perftest allocates them
+    let page = 4096;
+    let mut src_mr = pd.register(AlignedBuffer::zeroed(size, page)?)?;
     let src = src_mr.slice(..)?;
     let mut dst = pd.register_remote(
-        AlignedBuffer::new(size)?,
+        AlignedBuffer::zeroed(size, page)?,
         RemoteAccess::WRITE | RemoteAccess::READ,
     )?;
     let dst_handle = dst.slice(..)?;
