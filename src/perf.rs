@@ -107,6 +107,20 @@ impl Peer {
     /// A failed completion (`Error::Disconnected` / `Error::Protocol` with its status) or
     /// no completion within the deadline.
     pub fn next_completion(&mut self) -> fabric_core::Result<Completion> {
+        self.next_with_spin(Duration::from_micros(200))
+    }
+
+    /// Like [`next_completion`](Self::next_completion) but sleeps on the wait fd after a
+    /// few microseconds: for waits that take long anyway (large transfers), so the waiting
+    /// process does not compete for a core with the one doing the copying.
+    ///
+    /// # Errors
+    /// As [`next_completion`](Self::next_completion).
+    pub fn next_patient(&mut self) -> fabric_core::Result<Completion> {
+        self.next_with_spin(Duration::from_micros(5))
+    }
+
+    fn next_with_spin(&mut self, spin: Duration) -> fabric_core::Result<Completion> {
         let mut spins = 0u32;
         let mut start: Option<Instant> = None;
         loop {
@@ -131,9 +145,9 @@ impl Peer {
             }
             let t0 = *start.get_or_insert_with(Instant::now);
             let waited = t0.elapsed();
-            if waited < Duration::from_micros(200) {
+            if waited < spin {
                 std::hint::spin_loop();
-            } else if waited < Duration::from_millis(2) {
+            } else if waited < Duration::from_millis(2) && spin >= Duration::from_micros(100) {
                 std::thread::yield_now();
             } else {
                 if waited > self.deadline {
@@ -428,7 +442,12 @@ impl Initiator {
                     Err(e) => return Err(e.error),
                 }
             }
-            let c = self.peer.next_completion()?;
+            // Large transfers: sleep while the peer copies instead of taking its core.
+            let c = if size >= 64 << 10 {
+                self.peer.next_patient()?
+            } else {
+                self.peer.next_completion()?
+            };
             match c.op {
                 OpKind::Send => done += 1,
                 OpKind::Recv => {

@@ -164,6 +164,9 @@ fn messaging(conn: &mut dyn Transport) {
             }
         }
     }
+    if conn.kind() == TransportKind::Verbs {
+        return; // RC: a too-long message kills the queue pair (see `verbs_error_semantics`).
+    }
     // A message longer than the posted receive: typed error completion, data dropped.
     conn.post_recv(rx.slice(0, 16).unwrap(), 12).unwrap();
     conn.post_send(tx.slice(0, 64).unwrap(), 13).unwrap();
@@ -215,6 +218,10 @@ fn one_sided(conn: &mut dyn Transport, key: RemoteKey) {
         .unwrap_err();
     assert!(matches!(e.error, Error::OutOfBounds { .. }), "{e}");
     assert_eq!(e.buf.len(), 16);
+    if conn.kind() == TransportKind::Verbs {
+        atomics(conn, key, &local);
+        return; // RC: a refused access kills the queue pair (see `verbs_error_semantics`).
+    }
     // A forged key: the peer side refuses, the op completes with RemoteAccess.
     let mut forged = key;
     forged.key ^= 1;
@@ -227,7 +234,10 @@ fn one_sided(conn: &mut dyn Transport, key: RemoteKey) {
     conn.post_read(local.slice(0, 16).unwrap(), &forged, 0, 24)
         .unwrap();
     assert_eq!(next(conn).status, Status::RemoteAccess);
+    atomics(conn, key, &local);
+}
 
+fn atomics(conn: &mut dyn Transport, key: RemoteKey, local: &fabric_core::Region) {
     // Atomics on the word at 8192 (written as zero first).
     local.write_at(0, &[0u8; 8]).unwrap();
     conn.post_write(local.slice(0, 8).unwrap(), &key, 8192, 25)
@@ -381,4 +391,45 @@ fn shm_cross_process_suite() {
 #[test]
 fn tcp_cross_process_suite() {
     suite(TransportKind::Tcp);
+}
+
+fn verbs_usable(test: &str) -> bool {
+    match (backend::verbs::ENTRY.probe)() {
+        Ok(()) => true,
+        Err(e) => {
+            println!("skipped: {test}: {e}");
+            false
+        }
+    }
+}
+
+/// The same suite over RC queue pairs (runs for real in the Soft-RoCE guest).
+#[test]
+fn verbs_cross_process_suite() {
+    if verbs_usable("verbs_cross_process_suite") {
+        suite(TransportKind::Verbs);
+    }
+}
+
+/// RC semantics the capabilities warn about: a refused remote access completes with
+/// `RemoteAccess`, and the connection is then failed (every later op errors, none hangs).
+#[test]
+fn verbs_error_semantics() {
+    if !verbs_usable("verbs_error_semantics") {
+        return;
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (mut conn, mut child) = accept_child(TransportKind::Verbs, "sink");
+    let rx = conn.register(4096, Access::empty()).unwrap();
+    let mut key = remote_key(conn.as_mut(), &rx);
+    key.rkey ^= 0x5a5a;
+    let local = conn.register(64, Access::empty()).unwrap();
+    conn.post_write(local.slice(0, 8).unwrap(), &key, 0, 1)
+        .unwrap();
+    let c = next(conn.as_mut());
+    assert_eq!((c.op, c.status), (OpKind::Write, Status::RemoteAccess));
+    let e = conn.post_send(local.slice(0, 8).unwrap(), 2).unwrap_err();
+    assert!(matches!(e.error, Error::Disconnected(_)), "{e}");
+    child.kill().unwrap();
+    child.wait().unwrap();
 }

@@ -64,7 +64,12 @@ pub(crate) struct RegionInner {
     pub(crate) access: Access,
     pub(crate) transport: TransportKind,
     pub(crate) len: usize,
-    map: MmapRaw,
+    /// Shared so a backend's registration (verbs MR) can keep the memory alive too.
+    map: Arc<MmapRaw>,
+    /// Backend-private state of the registration (the verbs memory region).
+    pub(crate) backing: Option<Box<dyn std::any::Any + Send + Sync>>,
+    /// Backend key a peer needs (verbs rkey); 0 elsewhere.
+    pub(crate) rkey: u32,
     /// The memfd behind a shared mapping (shm); `None` for anonymous memory.
     pub(crate) fd: Option<OwnedFd>,
     /// Device memory (cuda-ipc): then `map` is an unused placeholder page and every byte
@@ -105,6 +110,33 @@ impl Region {
         map: MmapRaw,
         fd: Option<OwnedFd>,
     ) -> Self {
+        Self::with_backing(
+            id,
+            owner,
+            transport,
+            access,
+            len,
+            Arc::new(map),
+            fd,
+            None,
+            0,
+        )
+    }
+
+    /// Like [`new`](Self::new), with a shared mapping, backend state and backend key.
+    #[allow(clippy::too_many_arguments)]
+    #[cfg_attr(fabric_loom, allow(dead_code))]
+    pub(crate) fn with_backing(
+        id: u32,
+        owner: u64,
+        transport: TransportKind,
+        access: Access,
+        len: usize,
+        map: Arc<MmapRaw>,
+        fd: Option<OwnedFd>,
+        backing: Option<Box<dyn std::any::Any + Send + Sync>>,
+        rkey: u32,
+    ) -> Self {
         debug_assert!(map.len() >= len);
         Region {
             inner: Arc::new(RegionInner {
@@ -115,6 +147,8 @@ impl Region {
                 transport,
                 len,
                 map,
+                backing,
+                rkey,
                 fd,
                 device: None,
             }),
@@ -145,7 +179,9 @@ impl Region {
                 access,
                 transport,
                 len,
-                map: placeholder,
+                map: Arc::new(placeholder),
+                backing: None,
+                rkey: 0,
                 fd: None,
                 device: Some(memory),
             }),
@@ -207,7 +243,7 @@ impl Region {
                 Some(d) => d.addr(),
                 None => self.base() as u64,
             },
-            rkey: 0,
+            rkey: self.inner.rkey,
         })
     }
 

@@ -82,6 +82,7 @@ fn safe_round(
             posted += 1;
         }
         in_post += p0.elapsed();
+        settle();
         let n = cq.poll(out).expect("poll");
         for c in &out[..n] {
             assert!(c.is_ok(), "completion error {}", c.status());
@@ -117,6 +118,7 @@ fn scoped_round(
                 posted += 1;
             }
             in_post += p0.elapsed();
+            settle();
             let n = s.poll(out).expect("poll");
             for c in &out[..n] {
                 assert!(c.is_ok(), "completion error {}", c.status());
@@ -170,6 +172,7 @@ fn raw_round(
             posted += 1;
         }
         in_post += p0.elapsed();
+        settle();
         let n = cq.poll_raw(wcs).expect("raw poll");
         for wc in &wcs[..n] {
             assert_eq!(wc.status, 0, "completion error");
@@ -180,6 +183,15 @@ fn raw_round(
         }
     }
     (t0.elapsed(), in_post)
+}
+
+/// With `BENCH_SETTLE=1`, wait before each poll so the burst has completed: every poll then
+/// finds work and no spin loop runs, which makes instruction counts (callgrind) exact.
+fn settle() {
+    static SETTLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *SETTLE.get_or_init(|| std::env::var_os("BENCH_SETTLE").is_some()) {
+        std::thread::sleep(Duration::from_millis(2));
+    }
 }
 
 fn median(v: &mut Vec<f64>) -> f64 {
@@ -247,7 +259,12 @@ fn main() -> Result<()> {
     );
     let only = std::env::var("BENCH_ONLY").unwrap_or_default();
     let names = ["owned", "scoped", "raw"];
-    for (name, d) in [("latency", 1usize), ("pipelined", a.depth)] {
+    let patterns: &[(&str, usize)] = if std::env::var_os("BENCH_SETTLE").is_some() {
+        &[("pipelined", a.depth)]
+    } else {
+        &[("latency", 1), ("pipelined", a.depth)]
+    };
+    for &(name, d) in patterns {
         // Warm-up.
         safe_round(&mut qp, &mut cq, &src, remote, a.iters, d, &mut out);
         scoped_round(

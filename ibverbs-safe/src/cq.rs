@@ -254,36 +254,38 @@ impl WcOpcode {
 }
 
 /// One work completion, with the buffers of its work request handed back.
-#[derive(Debug)]
 pub struct Completion {
     wr_id: u64,
-    status: WcStatus,
-    opcode: WcOpcode,
-    vendor_err: u32,
-    byte_len: u32,
-    imm: Option<u32>,
-    qp_num: u32,
-    src_qp: u32,
-    grh: bool,
-    slid: u16,
+    /// The raw work completion (decoded on access).
+    wc: ibv_wc,
     queue: Option<QueueKind>,
     bufs: SgList,
     pub(crate) scoped: bool,
+}
+
+impl std::fmt::Debug for Completion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Completion")
+            .field("wr_id", &self.wr_id)
+            .field("status", &self.status())
+            .field("opcode", &self.opcode())
+            .field("byte_len", &self.byte_len())
+            .field("imm", &self.imm())
+            .field("qp_num", &self.qp_num())
+            .field("queue", &self.queue)
+            .field("bufs", &self.bufs)
+            .finish()
+    }
 }
 
 impl Default for Completion {
     fn default() -> Self {
         Completion {
             wr_id: 0,
-            status: WcStatus::Success,
-            opcode: WcOpcode::Other(u32::MAX),
-            vendor_err: 0,
-            byte_len: 0,
-            imm: None,
-            qp_num: 0,
-            src_qp: 0,
-            grh: false,
-            slid: 0,
+            wc: ibv_wc {
+                opcode: u32::MAX,
+                ..ibv_wc::default()
+            },
             queue: None,
             bufs: SgList::new(),
             scoped: false,
@@ -303,11 +305,11 @@ impl Completion {
     }
     /// The status.
     pub fn status(&self) -> WcStatus {
-        self.status
+        WcStatus::from_raw(self.wc.status)
     }
     /// Whether the status is success.
     pub fn is_ok(&self) -> bool {
-        self.status.is_success()
+        self.wc.status == 0
     }
     /// `Ok(())` on success, else [`Error::Completion`] with the status.
     ///
@@ -317,40 +319,40 @@ impl Completion {
         if self.is_ok() {
             Ok(())
         } else {
-            Err(Error::Completion(self.status))
+            Err(Error::Completion(self.status()))
         }
     }
     /// The opcode (only meaningful on success for send-side completions).
     pub fn opcode(&self) -> WcOpcode {
-        self.opcode
+        WcOpcode::from_raw(self.wc.opcode)
     }
     /// Vendor error syndrome.
     pub fn vendor_err(&self) -> u32 {
-        self.vendor_err
+        self.wc.vendor_err
     }
     /// Bytes received (receives, READ and atomics).
     pub fn byte_len(&self) -> u32 {
-        self.byte_len
+        self.wc.byte_len
     }
     /// Immediate data (host byte order), if the message carried one.
     pub fn imm(&self) -> Option<u32> {
-        self.imm
+        (self.wc.wc_flags & sys::IBV_WC_WITH_IMM != 0).then(|| u32::from_be(self.wc.imm_data))
     }
     /// The local QP number the completion belongs to.
     pub fn qp_num(&self) -> u32 {
-        self.qp_num
+        self.wc.qp_num
     }
     /// Source QP number (UD receives).
     pub fn src_qp(&self) -> u32 {
-        self.src_qp
+        self.wc.src_qp
     }
     /// Whether a UD receive carries a GRH (in the first 40 bytes of the buffer).
     pub fn has_grh(&self) -> bool {
-        self.grh
+        self.wc.wc_flags & sys::IBV_WC_GRH != 0
     }
     /// Source LID (UD receives).
     pub fn slid(&self) -> u16 {
-        self.slid
+        self.wc.slid
     }
     /// Which queue it came from (`None` for work requests posted through the raw layer).
     pub fn queue(&self) -> Option<QueueKind> {
@@ -396,15 +398,7 @@ impl Completion {
             self.queue = None;
             self.scoped = false;
         }
-        self.status = WcStatus::from_raw(wc.status);
-        self.opcode = WcOpcode::from_raw(wc.opcode);
-        self.vendor_err = wc.vendor_err;
-        self.byte_len = wc.byte_len;
-        self.imm = (wc.wc_flags & sys::IBV_WC_WITH_IMM != 0).then(|| u32::from_be(wc.imm_data));
-        self.qp_num = wc.qp_num;
-        self.src_qp = wc.src_qp;
-        self.grh = wc.wc_flags & sys::IBV_WC_GRH != 0;
-        self.slid = wc.slid;
+        self.wc = *wc;
     }
 }
 

@@ -57,6 +57,7 @@ impl std::fmt::Debug for SgList {
 
 impl SgList {
     /// An empty list (a zero-length message).
+    #[inline]
     pub fn new() -> Self {
         Self::default()
     }

@@ -291,6 +291,7 @@ impl<B: RegionBuffer, A: AccessMode> MemoryRegion<B, A> {
     }
 
     /// The scatter/gather element of `range` (for scoped, borrowing work requests).
+    #[inline]
     pub(crate) fn sge_of(&self, range: impl RangeBounds<usize>) -> Result<sys::ibv_sge> {
         let (off, len) = range_of(range, self.inner.len)?;
         if len > u32::MAX as usize {

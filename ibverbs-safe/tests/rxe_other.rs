@@ -223,6 +223,39 @@ fn rxe_completion_channel_wakes_up() {
     }
 }
 
+/// Drops CAP_IPC_LOCK (which lets root ignore RLIMIT_MEMLOCK) from this process.
+fn drop_ipc_lock_capability() -> bool {
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: i32,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy, Default)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    const CAP_IPC_LOCK: u32 = 14;
+    let mut h = Header {
+        version: 0x2008_0522,
+        pid: 0,
+    };
+    let mut d = [Data::default(); 2];
+    // SAFETY: capget with a valid header and a two-element data array (capability v3).
+    if unsafe { libc::syscall(libc::SYS_capget, &mut h as *mut Header, d.as_mut_ptr()) } != 0 {
+        return false;
+    }
+    d[0].effective &= !(1 << CAP_IPC_LOCK);
+    d[0].permitted &= !(1 << CAP_IPC_LOCK);
+    // SAFETY: capset with the same valid header and data.
+    unsafe { libc::syscall(libc::SYS_capset, &mut h as *mut Header, d.as_ptr()) == 0 }
+}
+
+/// With a low RLIMIT_MEMLOCK and without CAP_IPC_LOCK, registering 64 MiB fails with
+/// ENOMEM and the error names `ulimit -l` / `memlock`. Runs in a forked child, so the
+/// lowered limit and dropped capability do not leak into other tests.
 #[test]
 fn rxe_memlock_too_low_is_a_clear_error() {
     let Some(l) = layouts("rxe_memlock_too_low_is_a_clear_error")
@@ -231,33 +264,59 @@ fn rxe_memlock_too_low_is_a_clear_error() {
     else {
         return;
     };
-    let pd = l.a.alloc_pd().unwrap();
-    let mut old = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: valid out-pointer.
-    let rc = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut old) };
-    assert_eq!(rc, 0);
-    let low = libc::rlimit {
-        rlim_cur: 1 << 20,
-        rlim_max: old.rlim_max,
-    };
-    // SAFETY: valid rlimit; restored below.
-    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &low) }, 0);
-    let r = pd.alloc_region(64 << 20);
-    // SAFETY: restores the original limit.
-    unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &old) };
-    match r {
-        Err(e @ Error::RegMr { .. }) => {
-            let msg = e.to_string();
-            println!("{msg}");
-            assert!(
-                msg.contains("ulimit -l") && msg.contains("memlock"),
-                "{msg}"
-            );
-        }
-        Err(e) => panic!("unexpected error {e}"),
-        Ok(_) => println!("skipped: the memlock limit is not enforced here (CAP_IPC_LOCK)"),
+    let dev = l.a.device().name.clone();
+    drop(l);
+    // SAFETY: the child only calls async-signal-tolerant code paths of this crate and
+    // libibverbs on its own new context, then leaves with _exit.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed");
+    if pid == 0 {
+        let code = (|| {
+            let low = libc::rlimit {
+                rlim_cur: 1 << 20,
+                rlim_max: 1 << 20,
+            };
+            // SAFETY: valid rlimit.
+            if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &low) } != 0
+                || !drop_ipc_lock_capability()
+            {
+                return 3;
+            }
+            let ctx = match open(Some(&dev)) {
+                Ok(c) => c,
+                Err(_) => return 4,
+            };
+            let pd = ctx.alloc_pd().unwrap();
+            match pd.alloc_region(64 << 20) {
+                Err(e @ Error::RegMr { .. }) => {
+                    let msg = e.to_string();
+                    println!("child got: {msg}");
+                    if msg.contains("ulimit -l") && msg.contains("memlock") {
+                        0
+                    } else {
+                        1
+                    }
+                }
+                Err(e) => {
+                    println!("child got an unexpected error: {e}");
+                    5
+                }
+                Ok(_) => 2,
+            }
+        })();
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        // SAFETY: leaves the child without running the parent's atexit handlers.
+        unsafe { libc::_exit(code) };
+    }
+    let mut status = 0;
+    // SAFETY: waits for our own child.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    assert!(libc::WIFEXITED(status), "child died: {status:#x}");
+    match libc::WEXITSTATUS(status) {
+        0 => {}
+        2 => panic!("registration succeeded despite the low memlock limit"),
+        1 => panic!("the ENOMEM message does not explain the memlock limit"),
+        c => panic!("child failed with code {c}"),
     }
 }

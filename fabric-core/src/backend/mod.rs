@@ -20,10 +20,12 @@ use crate::transport::{
 pub mod cuda_ipc;
 pub mod shm;
 pub mod tcp;
+pub mod verbs;
 
 /// Every backend this build knows, in automatic-selection preference order.
 /// (A new backend adds its `ENTRY` here.)
-pub static BACKENDS: &[&BackendEntry] = &[&shm::ENTRY, &tcp::ENTRY, &cuda_ipc::ENTRY];
+pub static BACKENDS: &[&BackendEntry] =
+    &[&shm::ENTRY, &verbs::ENTRY, &tcp::ENTRY, &cuda_ipc::ENTRY];
 
 /// How a backend is found, probed and started.
 pub struct BackendEntry {

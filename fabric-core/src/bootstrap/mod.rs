@@ -297,10 +297,9 @@ pub fn host_id() -> String {
     format!("{}/{}", boot.trim(), ns)
 }
 
-/// Whether an RDMA device with an active port is present (false until the verbs backend
-/// is built in).
+/// Whether an RDMA device with an active port is present (the verbs backend's probe).
 pub fn local_rdma_active() -> bool {
-    false
+    (crate::backend::verbs::ENTRY.probe)().is_ok()
 }
 
 /// Picks the transport for two endpoints: `forced` if given; else shm on the same host,

@@ -354,7 +354,9 @@ impl<'a> QpBuilder<'a> {
             qpn,
             max_send_sge: (cap.max_send_sge as usize).clamp(1, MAX_SGE),
             max_recv_sge: (cap.max_recv_sge as usize).clamp(1, MAX_SGE),
-            max_inline: cap.max_inline_data.max(self.cap.max_inline_data),
+            // What the provider granted (never more than it reported: inline data is copied from
+            // unregistered memory, so this limit is part of the safety contract).
+            max_inline: cap.max_inline_data,
             p,
         };
         // INIT
@@ -853,8 +855,9 @@ impl<T: Transport> QueuePair<T> {
 impl CompletionQueue {
     /// Polls raw work completions (no buffer hand-back): for work posted with the raw layer.
     ///
-    /// Completions of work requests posted through the safe API should not be polled this
-    /// way: their buffers then stay in flight until a later completion of the same queue
+    /// Completions kept back by a [`QueuePair::scope`] are not returned here (only by
+    /// [`poll`](Self::poll)). Completions of work requests posted through the safe API should
+    /// not be polled this way: their buffers then stay in flight until a later completion of the same queue
     /// retires them or the QP is dropped (sound, but the queue fills up).
     ///
     /// # Errors

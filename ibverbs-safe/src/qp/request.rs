@@ -716,3 +716,68 @@ impl QueuePair<Ud> {
         self.post_send(SendRequest::send_to(bufs, dest.clone()).wr_id(wr_id))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batch_holds_up_to_max_batch_and_drains() {
+        let mut b = SendBatch::new();
+        assert!(b.is_empty());
+        for i in 0..MAX_BATCH as u64 {
+            b.push(SendRequest::send(SgList::new()).wr_id(i)).unwrap();
+        }
+        let extra = b
+            .push(SendRequest::send(SgList::new()).wr_id(99))
+            .unwrap_err();
+        assert_eq!(extra.wr_id, 99, "the request comes back when full");
+        assert_eq!(b.len(), MAX_BATCH);
+        let ids: Vec<u64> = b.drain().map(|r| r.wr_id).collect();
+        assert_eq!(ids, (0..MAX_BATCH as u64).collect::<Vec<_>>());
+        assert!(b.is_empty());
+    }
+
+    #[test]
+    fn requests_are_validated_per_transport_before_posting() {
+        use crate::qp::{Rc, Uc, Ud};
+        let mut wr = blank_wr();
+        let mut sges = [ibv_sge::default(); MAX_SGE];
+        let remote = RemoteMemory {
+            addr: 0x1000,
+            len: 64,
+            rkey: 7,
+        };
+        // READ and atomics are RC-only.
+        let read = SendRequest::read(SgList::new(), remote);
+        assert!(read.encode::<Rc>(1, 0, &mut wr, &mut sges).is_ok());
+        assert_eq!(wr.opcode, IBV_WR_RDMA_READ);
+        // SAFETY: the rdma member was just written by encode.
+        assert_eq!(unsafe { wr.wr.rdma.rkey }, 7);
+        assert!(read.encode::<Uc>(1, 0, &mut wr, &mut sges).is_err());
+        assert!(read.encode::<Ud>(1, 0, &mut wr, &mut sges).is_err());
+        // Immediate data is carried in network byte order.
+        let w = SendRequest::write(SgList::new(), remote).imm(0x0102_0304);
+        w.encode::<Uc>(1, 0, &mut wr, &mut sges).unwrap();
+        assert_eq!(wr.opcode, IBV_WR_RDMA_WRITE_WITH_IMM);
+        assert_eq!(wr.imm_data, 0x0102_0304u32.to_be());
+        // Plain SEND needs a destination on UD; READ cannot carry immediate data.
+        assert!(SendRequest::send(SgList::new())
+            .encode::<Ud>(1, 0, &mut wr, &mut sges)
+            .is_err());
+        assert!(SendRequest::read(SgList::new(), remote)
+            .imm(1)
+            .encode::<Rc>(1, 0, &mut wr, &mut sges)
+            .is_err());
+        // Unsignalled clears the flag; the default is signalled.
+        SendRequest::send(SgList::new())
+            .unsignaled()
+            .encode::<Rc>(1, 0, &mut wr, &mut sges)
+            .unwrap();
+        assert_eq!(wr.send_flags & IBV_SEND_SIGNALED, 0);
+        SendRequest::send(SgList::new())
+            .encode::<Rc>(1, 0, &mut wr, &mut sges)
+            .unwrap();
+        assert_eq!(wr.send_flags & IBV_SEND_SIGNALED, IBV_SEND_SIGNALED);
+    }
+}

@@ -140,6 +140,7 @@ impl<'scope, 'env, T: Transport> Scope<'scope, 'env, T> {
     ///
     /// # Errors
     /// As [`QueuePair::post_send`] (nothing is posted on error).
+    #[inline]
     pub fn send<B: RegionBuffer, A: AccessMode>(
         &mut self,
         mr: &'env MemoryRegion<B, A>,
@@ -154,6 +155,7 @@ impl<'scope, 'env, T: Transport> Scope<'scope, 'env, T> {
     ///
     /// # Errors
     /// As [`QueuePair::post_send`].
+    #[inline]
     pub fn write<B: RegionBuffer, A: AccessMode>(
         &mut self,
         mr: &'env MemoryRegion<B, A>,
@@ -169,6 +171,7 @@ impl<'scope, 'env, T: Transport> Scope<'scope, 'env, T> {
     ///
     /// # Errors
     /// As [`QueuePair::post_send`].
+    #[inline]
     pub fn read<B: RegionBuffer>(
         &mut self,
         mr: &'env mut MemoryRegion<B, Local>,
@@ -190,6 +193,7 @@ impl<'scope, 'env, T: Transport> Scope<'scope, 'env, T> {
     ///
     /// # Errors
     /// [`Error::PollCq`].
+    #[inline]
     pub fn poll(&mut self, out: &mut [Completion]) -> Result<usize> {
         let n = self.cq.poll(out)?;
         for c in &out[..n] {
@@ -198,6 +202,7 @@ impl<'scope, 'env, T: Transport> Scope<'scope, 'env, T> {
         Ok(n)
     }
 
+    #[inline]
     fn count(&mut self, c: &Completion) -> bool {
         if c.scoped && c.qp_num() == self.qp.core.qpn {
             self.outstanding -= 1;

@@ -1,0 +1,671 @@
+//! `verbs`: RDMA RC queue pairs through `ibverbs-safe` (InfiniBand / RoCE).
+//!
+//! * Setup: a TCP side channel (the listener's address) exchanges the queue pairs'
+//!   [`ibverbs_safe::Endpoint`]s behind a 16-byte hello; the socket then stays open so a
+//!   peer that dies is noticed at once (hang-up) instead of after the RC retry timeout.
+//! * Every region is registered with the connection's protection domain (remote access as
+//!   asked); its remote key carries the verbs `addr` and `rkey`. The NIC does the
+//!   target-side checks (rkey, bounds, access).
+//! * Operations map one to one: SEND / RECV, RDMA WRITE / READ, CAS / FAA; the tracker's
+//!   slot token is the `wr_id`. One CQ per connection with a completion channel: the wait
+//!   fd is an epoll of the channel and the side-channel socket.
+//! * Not emulated (capabilities say so): a message longer than the posted receive fails
+//!   the receive with [`Status::MessageTooLong`] *and* moves the queue pair to the error
+//!   state (RC semantics), so the connection is lost — unlike shm and tcp.
+#![allow(unsafe_code)]
+
+use std::io;
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::Arc;
+use std::time::Instant;
+
+use ibverbs_safe as ib;
+use memmap2::MmapRaw;
+
+use super::{next_conn_id, BackendEntry, Connector, Endpoint, Hal, Listener, Options};
+use crate::error::{Error, Result};
+use crate::region::{Access, Region};
+use crate::sys;
+use crate::tracker::{OpDesc, Token, Tracker};
+use crate::transport::{
+    AtomicOp, Capabilities, MemoryKinds, MessageOrdering, Status, Transport, TransportKind,
+};
+
+/// The registry entry.
+pub static ENTRY: BackendEntry = BackendEntry {
+    kind: TransportKind::Verbs,
+    probe: || probe().map(|_| ()),
+    listen: |o| Ok(Box::new(VerbsListener::bind(o)?)),
+    connect: |a, o| Ok(Box::new(VerbsConnector::connect(a, o)?)),
+};
+
+const HELLO_MAGIC: u64 = 0x3153_4252_4556_4246; // "FBVERBS1"
+const HELLO_LEN: usize = 16 + ib::Endpoint::ENCODED_LEN;
+const CQ_DEPTH: u32 = 1024;
+/// Idle polls between two checks of the side-channel socket.
+const CHECK_EVERY: u32 = 1024;
+
+fn unavailable(reason: impl Into<String>) -> Error {
+    Error::Unavailable {
+        transport: TransportKind::Verbs,
+        reason: reason.into(),
+    }
+}
+
+/// Device, port and GID index to use: `FABRIC_VERBS_DEVICE` if set, else the first device
+/// with an active port; on Ethernet the first RoCE v2 IPv4-mapped GID (else the first
+/// non-zero one).
+fn probe() -> Result<(String, u8, Option<u8>)> {
+    let devs = ib::devices().map_err(|e| unavailable(e.to_string()))?;
+    let want = std::env::var("FABRIC_VERBS_DEVICE").ok();
+    for d in devs {
+        if want.as_deref().is_some_and(|w| w != d.name) {
+            continue;
+        }
+        let Ok(ctx) = ib::open(Some(&d.name)) else {
+            continue;
+        };
+        let Ok(attr) = ctx.query_device() else {
+            continue;
+        };
+        for port in 1..=attr.phys_port_cnt {
+            let Ok(p) = ctx.query_port(port) else {
+                continue;
+            };
+            if !p.is_active() {
+                continue;
+            }
+            if p.link_layer != ib::LinkLayer::Ethernet {
+                return Ok((d.name, port, None));
+            }
+            let gids = ctx.gid_table(port).unwrap_or_default();
+            let pick = gids
+                .iter()
+                .filter(|g| !g.gid.is_zero())
+                .find(|g| {
+                    g.gid_type == Some(ib::GidType::RoceV2)
+                        && g.gid.to_ipv6().to_ipv4_mapped().is_some()
+                })
+                .or_else(|| gids.iter().find(|g| !g.gid.is_zero()));
+            if let Some(g) = pick {
+                return Ok((d.name, port, Some(g.index as u8)));
+            }
+        }
+    }
+    Err(unavailable(match want {
+        Some(w) => format!("RDMA device {w} (FABRIC_VERBS_DEVICE) absent or without an active port"),
+        None => "no RDMA device with an active port (load rdma_rxe / attach a NIC; rdma-core installed?)".into(),
+    }))
+}
+
+/// Memory shared by a [`Region`] and its verbs registration.
+struct MapBuf(Arc<MmapRaw>);
+
+// SAFETY: the mapping's address is fixed for as long as the `Arc` (held here) lives, and
+// it is `len` bytes of readable, writable memory.
+unsafe impl ib::RegionBuffer for MapBuf {
+    fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.0.as_mut_ptr()
+    }
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+}
+
+type Mr = ib::MemoryRegion<MapBuf, ib::Remote>;
+
+/// A region's verbs registration and a handle over all of it (sub-handles are cut from it
+/// per post without touching the registration).
+struct Backing {
+    _mr: Mr,
+    full: ib::MrSlice,
+}
+
+/// One connection's verbs objects (drop order: QP, then CQ, channel, PD, context).
+struct Verbs {
+    qp: ib::QueuePair<ib::Rc>,
+    cq: ib::CompletionQueue,
+    channel: ib::CompletionChannel,
+    pd: ib::ProtectionDomain,
+}
+
+impl std::fmt::Debug for Verbs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Verbs")
+            .field("qp_num", &self.qp.qp_num())
+            .finish()
+    }
+}
+
+/// A queue pair built but not connected yet.
+struct Prepared {
+    qp: ib::PreparedQp<ib::Rc>,
+    cq: ib::CompletionQueue,
+    channel: ib::CompletionChannel,
+    pd: ib::ProtectionDomain,
+}
+
+fn prepare(opts: &Options) -> Result<Prepared> {
+    let (dev, port, gid) = probe()?;
+    let e = |e: ib::Error| unavailable(e.to_string());
+    let ctx = ib::open(Some(&dev)).map_err(e)?;
+    let pd = ctx.alloc_pd().map_err(e)?;
+    let channel = ctx.create_comp_channel().map_err(e)?;
+    channel.set_nonblocking(true).map_err(e)?;
+    let cq = ctx.create_cq_with_channel(CQ_DEPTH, &channel).map_err(e)?;
+    let depth = (opts.max_in_flight as u32).min(CQ_DEPTH / 2);
+    let mut b = pd
+        .queue_pair(&cq, &cq)
+        .port(port)
+        .max_send_wr(depth)
+        .max_recv_wr(depth)
+        .access(ib::RemoteAccess::WRITE | ib::RemoteAccess::READ | ib::RemoteAccess::ATOMIC);
+    if let Some(g) = gid {
+        b = b.gid_index(g);
+    }
+    let qp = b.build_rc().map_err(e)?;
+    Ok(Prepared {
+        qp,
+        cq,
+        channel,
+        pd,
+    })
+}
+
+fn hello(ep: &ib::Endpoint) -> [u8; HELLO_LEN] {
+    let mut b = [0u8; HELLO_LEN];
+    b[..8].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
+    b[16..].copy_from_slice(&ep.to_bytes());
+    b
+}
+
+/// Decodes the side-channel hello into the peer's queue-pair endpoint.
+///
+/// # Errors
+/// [`Error::Protocol`] for a wrong magic or an endpoint that does not decode.
+pub fn decode_hello(b: &[u8]) -> Result<ib::Endpoint> {
+    if b.len() != HELLO_LEN || b[..8] != HELLO_MAGIC.to_le_bytes() {
+        return Err(Error::Protocol(
+            "not a fabric verbs peer (bad hello)".into(),
+        ));
+    }
+    ib::Endpoint::from_bytes(&b[16..]).map_err(|e| Error::Protocol(format!("verbs endpoint: {e}")))
+}
+
+/// Non-blocking exchange of hellos on the side channel: `Ok(Some(peer))` when done.
+fn exchange(
+    s: &TcpStream,
+    mine: &[u8; HELLO_LEN],
+    sent: &mut bool,
+    got: &mut Vec<u8>,
+) -> Result<Option<ib::Endpoint>> {
+    use std::io::{Read, Write};
+    if !*sent {
+        match (&*s).write(mine) {
+            Ok(n) if n == HELLO_LEN => *sent = true,
+            Ok(_) => return Err(Error::Protocol("short verbs hello write".into())),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
+            Err(e) => return Err(Error::io("verbs hello write", e)),
+        }
+    }
+    let mut buf = [0u8; HELLO_LEN];
+    while got.len() < HELLO_LEN {
+        match (&*s).read(&mut buf[..HELLO_LEN - got.len()]) {
+            Ok(0) => {
+                return Err(Error::Disconnected(
+                    "peer closed during the verbs hello".into(),
+                ))
+            }
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
+            Err(e) => return Err(Error::io("verbs hello read", e)),
+        }
+    }
+    decode_hello(got).map(Some)
+}
+
+struct Pending {
+    s: TcpStream,
+    prepared: Option<Prepared>,
+    mine: [u8; HELLO_LEN],
+    sent: bool,
+    got: Vec<u8>,
+    end: Instant,
+}
+
+impl Pending {
+    fn new(s: TcpStream, opts: &Options) -> Result<Self> {
+        s.set_nonblocking(true)
+            .map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
+        let _ = s.set_nodelay(true);
+        let prepared = prepare(opts)?;
+        let mine = hello(&prepared.qp.endpoint());
+        Ok(Pending {
+            s,
+            prepared: Some(prepared),
+            mine,
+            sent: false,
+            got: Vec::new(),
+            end: Instant::now() + opts.handshake_timeout,
+        })
+    }
+
+    fn step(&mut self, opts: &Options) -> Result<Option<Box<dyn Transport>>> {
+        let Some(peer) = exchange(&self.s, &self.mine, &mut self.sent, &mut self.got)? else {
+            if Instant::now() > self.end {
+                return Err(Error::Timeout("verbs handshake"));
+            }
+            return Ok(None);
+        };
+        let p = self.prepared.take().expect("prepared once");
+        let qp =
+            p.qp.connect(&peer)
+                .map_err(|e| Error::Protocol(format!("connecting the queue pair: {e}")))?;
+        let s = self.s.try_clone().map_err(|e| Error::io("dup", e))?;
+        finish(
+            Verbs {
+                qp,
+                cq: p.cq,
+                channel: p.channel,
+                pd: p.pd,
+            },
+            s,
+            opts,
+        )
+        .map(Some)
+    }
+}
+
+/// Listens on a TCP side channel (binds `Options::tcp_bind`).
+pub struct VerbsListener {
+    sock: TcpListener,
+    address: String,
+    opts: Options,
+    pending: Vec<Pending>,
+}
+
+impl std::fmt::Debug for VerbsListener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VerbsListener")
+            .field("address", &self.address)
+            .finish()
+    }
+}
+
+impl VerbsListener {
+    /// Binds (after checking a usable RDMA port exists).
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] without an active RDMA port; [`Error::Io`] for the socket.
+    pub fn bind(opts: &Options) -> Result<Self> {
+        probe()?;
+        let sock = TcpListener::bind(&opts.tcp_bind).map_err(|e| Error::io("bind(tcp)", e))?;
+        sock.set_nonblocking(true)
+            .map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
+        let a = sock.local_addr().map_err(|e| Error::io("getsockname", e))?;
+        Ok(VerbsListener {
+            sock,
+            address: format!("verbs:{a}"),
+            opts: opts.clone(),
+            pending: Vec::new(),
+        })
+    }
+}
+
+impl Listener for VerbsListener {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Verbs
+    }
+    fn address(&self) -> &str {
+        &self.address
+    }
+    fn accept(&mut self) -> Result<Option<Box<dyn Transport>>> {
+        loop {
+            match self.sock.accept() {
+                Ok((s, _)) => {
+                    if let Ok(p) = Pending::new(s, &self.opts) {
+                        self.pending.push(p);
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(Error::io("accept(tcp)", e)),
+            }
+        }
+        let mut i = 0;
+        while i < self.pending.len() {
+            match self.pending[i].step(&self.opts) {
+                Ok(Some(t)) => {
+                    self.pending.swap_remove(i);
+                    return Ok(Some(t));
+                }
+                Ok(None) => i += 1,
+                Err(_) => {
+                    // A stranger or a failed handshake: drop it, keep serving.
+                    self.pending.swap_remove(i);
+                }
+            }
+        }
+        Ok(None)
+    }
+}
+
+/// Connects to a [`VerbsListener`] (`HOST:PORT` of its side channel).
+pub struct VerbsConnector {
+    s: TcpStream,
+    connected: bool,
+    pending: Option<Pending>,
+    opts: Options,
+    end: Instant,
+}
+
+impl std::fmt::Debug for VerbsConnector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VerbsConnector")
+            .field("connected", &self.connected)
+            .finish()
+    }
+}
+
+impl VerbsConnector {
+    /// Starts connecting the side channel.
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] without an active RDMA port; address and socket errors.
+    pub fn connect(address: &str, opts: &Options) -> Result<Self> {
+        probe()?;
+        let addr: SocketAddr = address
+            .to_socket_addrs()
+            .map_err(|e| Error::InvalidArgument(format!("verbs address {address:?}: {e}")))?
+            .next()
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!("verbs address {address:?} resolves to nothing"))
+            })?;
+        Ok(VerbsConnector {
+            s: sys::tcp_connect_start(addr)?,
+            connected: false,
+            pending: None,
+            opts: opts.clone(),
+            end: Instant::now() + opts.handshake_timeout,
+        })
+    }
+}
+
+impl Connector for VerbsConnector {
+    fn poll_connect(&mut self) -> Result<Option<Box<dyn Transport>>> {
+        if !self.connected {
+            if Instant::now() > self.end {
+                return Err(Error::Timeout("verbs connect"));
+            }
+            if !sys::connect_finished(&self.s)? {
+                return Ok(None);
+            }
+            self.connected = true;
+            let s = self.s.try_clone().map_err(|e| Error::io("dup", e))?;
+            self.pending = Some(Pending::new(s, &self.opts)?);
+        }
+        match self.pending.as_mut() {
+            Some(p) => p.step(&self.opts),
+            None => Err(Error::Protocol("verbs connector reused".into())),
+        }
+    }
+}
+
+fn finish(v: Verbs, sock: TcpStream, opts: &Options) -> Result<Box<dyn Transport>> {
+    let epoll = sys::epoll_of(&[v.channel.as_fd(), sock.as_fd()])?;
+    let conn = next_conn_id();
+    let caps = Capabilities {
+        ordering: MessageOrdering::InOrder,
+        one_sided: true,
+        atomics: true,
+        max_message: opts.max_message.min(1 << 30),
+        max_in_flight: opts.max_in_flight.min(CQ_DEPTH as usize / 2),
+        inline_size: v.qp.max_inline_data() as usize,
+        memory_kinds: MemoryKinds::HOST,
+    };
+    let hal = VerbsHal {
+        conn,
+        v,
+        sock,
+        epoll,
+        wcs: ib::Completion::buffer(64),
+        idle: 0,
+        armed: false,
+    };
+    Ok(Box::new(Endpoint::new(
+        Tracker::new(conn, TransportKind::Verbs, caps),
+        hal,
+    )))
+}
+
+struct VerbsHal {
+    conn: u64,
+    v: Verbs,
+    sock: TcpStream,
+    epoll: OwnedFd,
+    wcs: Vec<ib::Completion>,
+    idle: u32,
+    armed: bool,
+}
+
+impl std::fmt::Debug for VerbsHal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VerbsHal")
+            .field("conn", &self.conn)
+            .field("v", &self.v)
+            .finish()
+    }
+}
+
+fn backing_of(r: &Region) -> Option<&Backing> {
+    r.inner.backing.as_ref()?.downcast_ref::<Backing>()
+}
+
+fn map_status(s: ib::WcStatus) -> Status {
+    match s {
+        ib::WcStatus::Success => Status::Success,
+        ib::WcStatus::LocalLength => Status::MessageTooLong,
+        ib::WcStatus::RemoteAccess | ib::WcStatus::LocalProtection => Status::RemoteAccess,
+        ib::WcStatus::WrFlush => Status::Canceled,
+        ib::WcStatus::RetryExceeded | ib::WcStatus::RnrRetryExceeded => Status::PeerGone,
+        _ => Status::ProtocolError,
+    }
+}
+
+impl VerbsHal {
+    fn local(t: &Tracker, token: Token) -> Result<ib::MrSlice> {
+        let p = t.get(token).expect("queued token is live");
+        let b = backing_of(p.buf.region())
+            .ok_or(Error::Foreign("buffer without a verbs registration"))?;
+        b.full
+            .slice(p.buf.offset()..p.buf.offset() + p.buf.len())
+            .map_err(|e| Error::Protocol(e.to_string()))
+    }
+
+    fn submit(&mut self, t: &mut Tracker) -> Result<bool> {
+        let mut moved = false;
+        while let Some(token) = t.recv_front() {
+            let slice = Self::local(t, token)?;
+            match self.v.qp.post_recv(slice, token.0) {
+                Ok(()) => {
+                    t.recv_pop();
+                    moved = true;
+                }
+                Err(e) if matches!(e.error, ib::Error::QueueFull { .. }) => break,
+                Err(e) => return Err(Error::Protocol(format!("post_recv: {}", e.error))),
+            }
+        }
+        while let Some(token) = t.submit_front() {
+            let slice = Self::local(t, token)?;
+            let desc = t.get(token).expect("live").desc;
+            let remote = |key: &crate::RemoteKey, off: u64, len: u64| ib::RemoteMemory {
+                addr: key.addr + off,
+                len,
+                rkey: key.rkey,
+            };
+            let req = match desc {
+                OpDesc::Send => ib::SendRequest::send(slice),
+                OpDesc::Write { key, off } => {
+                    let l = slice.len() as u64;
+                    ib::SendRequest::write(slice, remote(&key, off, l))
+                }
+                OpDesc::Read { key, off } => {
+                    let l = slice.len() as u64;
+                    ib::SendRequest::read(slice, remote(&key, off, l))
+                }
+                OpDesc::Atomic { key, off, op } => match op {
+                    AtomicOp::CompareSwap { expect, new } => {
+                        ib::SendRequest::compare_swap(slice, remote(&key, off, 8), expect, new)
+                    }
+                    AtomicOp::FetchAdd { add } => {
+                        ib::SendRequest::fetch_add(slice, remote(&key, off, 8), add)
+                    }
+                },
+                OpDesc::Recv => unreachable!("receives are not submissions"),
+            };
+            match self.v.qp.post_send(req.wr_id(token.0)) {
+                Ok(()) => {
+                    t.submit_pop();
+                    moved = true;
+                }
+                Err(e) if matches!(e.error, ib::Error::QueueFull { .. }) => break,
+                Err(e) => {
+                    // Refused by the verbs layer (e.g. an invalid request): fail this op.
+                    t.submit_pop();
+                    t.complete(token, Status::ProtocolError, 0, 0);
+                    let _ = e;
+                    moved = true;
+                }
+            }
+        }
+        Ok(moved)
+    }
+
+    fn reap(&mut self, t: &mut Tracker) -> Result<bool> {
+        let n = self
+            .v
+            .cq
+            .poll(&mut self.wcs)
+            .map_err(|e| Error::Protocol(format!("poll_cq: {e}")))?;
+        for c in &mut self.wcs[..n] {
+            let token = Token(c.wr_id());
+            let status = map_status(c.status());
+            drop(c.take_bufs());
+            let Some(p) = t.get(token) else {
+                continue; // flushed after a local failure: already completed
+            };
+            let (len, value) = match p.desc {
+                OpDesc::Recv => (c.byte_len() as usize, 0),
+                OpDesc::Atomic { .. } => (
+                    8,
+                    if status.is_ok() {
+                        p.buf.read_u64().unwrap_or(0)
+                    } else {
+                        0
+                    },
+                ),
+                _ => (p.buf.len(), 0),
+            };
+            t.complete(token, status, len, value);
+            if !status.is_ok() && status != Status::MessageTooLong {
+                // The QP is in the error state: everything else will flush.
+                t.fail_all(status, format!("verbs completion error: {}", c.status()));
+            }
+        }
+        Ok(n > 0)
+    }
+}
+
+impl Hal for VerbsHal {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Verbs
+    }
+
+    fn register(&mut self, t: &mut Tracker, len: usize, access: Access) -> Result<Region> {
+        let map = Arc::new(
+            memmap2::MmapOptions::new()
+                .len(len.max(1))
+                .map_anon()
+                .map(MmapRaw::from)
+                .map_err(|e| Error::io("mmap", e))?,
+        );
+        let mut ra = ib::RemoteAccess::empty();
+        if access.contains(Access::REMOTE_WRITE) {
+            ra |= ib::RemoteAccess::WRITE;
+        }
+        if access.contains(Access::REMOTE_READ) {
+            ra |= ib::RemoteAccess::READ;
+        }
+        if access.contains(Access::REMOTE_ATOMIC) {
+            ra |= ib::RemoteAccess::ATOMIC;
+        }
+        let mut mr: Mr = self
+            .v
+            .pd
+            .register_remote(MapBuf(map.clone()), ra)
+            .map_err(|e| Error::Io {
+                op: "ibv_reg_mr",
+                source: io::Error::other(e.to_string()),
+            })?;
+        let rkey = mr.rkey();
+        let full = mr
+            .slice(..len.min(u32::MAX as usize))
+            .map_err(|e| Error::Protocol(e.to_string()))?;
+        let r = Region::with_backing(
+            t.next_region_id(),
+            self.conn,
+            TransportKind::Verbs,
+            access,
+            len,
+            map,
+            None,
+            Some(Box::new(Backing { _mr: mr, full })),
+            rkey,
+        );
+        t.add_region(r.clone());
+        Ok(r)
+    }
+
+    fn progress(&mut self, t: &mut Tracker) -> Result<()> {
+        if self.armed {
+            self.armed = false;
+            // Acknowledge the channel event, if any (non-blocking).
+            let _ = self.v.channel.get_event();
+            self.idle = CHECK_EVERY - 1;
+        }
+        let mut moved = self.submit(t)?;
+        moved |= self.reap(t)?;
+        if moved {
+            self.idle = 0;
+            // Completions may have freed queue entries.
+            self.submit(t)?;
+        } else {
+            self.idle += 1;
+            if self.idle >= CHECK_EVERY {
+                self.idle = 0;
+                if sys::peer_hung_up(self.sock.as_fd()) {
+                    while self.reap(t)? {}
+                    let _ = self.v.qp.set_error();
+                    t.fail_all(Status::PeerGone, "verbs peer hung up (side channel closed)");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn wait_fd(&self) -> BorrowedFd<'_> {
+        self.epoll.as_fd()
+    }
+
+    fn arm(&mut self, t: &Tracker) -> Result<bool> {
+        self.v
+            .cq
+            .req_notify(false)
+            .map_err(|e| Error::Protocol(format!("req_notify_cq: {e}")))?;
+        self.armed = true;
+        // A completion that landed before the arm would not raise an event: look again.
+        let work = t.ready_len() > 0 || sys::peer_hung_up(self.sock.as_fd());
+        Ok(!work)
+    }
+}
