@@ -10,7 +10,7 @@
 //! * `write_bw` / `send_bw` — the client keeps `--tx-depth` writes/sends in flight,
 //!   signalling every `--cq-mod`-th; the server keeps receives posted (send_bw).
 //!
-//! Latency is taken as perftest does: the client's post timestamps, consecutive
+//! Latency is taken as perftest does: the client's post timestamps (time-stamp counter), consecutive
 //! differences, sorted; typical = median, p99 = 99th percentile, halved for the ping-pong
 //! tests (round trip / 2). Bandwidth = bytes / (last completion − first post), in MiB/s
 //! (perftest's "MB/sec"). Busy polling throughout, no allocation in the measured loops.
@@ -33,6 +33,46 @@ use ibverbs_safe::{
 };
 
 type AnyResult<T> = Result<T, Box<dyn Error>>;
+
+/// The time-stamp counter, as perftest's `get_cycles()` reads it. `Instant::now()` would
+/// not do in the guest: under TCG the kernel's clocksource is the HPET, so every
+/// `clock_gettime` is a system call plus an emulated device read (~5 µs), which would land
+/// in every measured iteration.
+#[cfg(target_arch = "x86_64")]
+fn cycles() -> u64 {
+    // SAFETY: RDTSC only reads the time-stamp counter (every x86_64 CPU has it); it touches
+    // no memory.
+    unsafe { std::arch::x86_64::_rdtsc() }
+}
+
+/// Elsewhere: nanoseconds (then `cycles_per_us` is 1000).
+#[cfg(not(target_arch = "x86_64"))]
+fn cycles() -> u64 {
+    use std::sync::OnceLock;
+    static START: OnceLock<Instant> = OnceLock::new();
+    START.get_or_init(Instant::now).elapsed().as_nanos() as u64
+}
+
+/// Counter ticks per microsecond: `cpu MHz` from /proc/cpuinfo, as perftest converts (so
+/// both programs use the same unit), else measured against the monotonic clock.
+fn cycles_per_us() -> (f64, &'static str) {
+    if cfg!(not(target_arch = "x86_64")) {
+        return (1000.0, "ns clock");
+    }
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let mhz = cpuinfo
+        .lines()
+        .find(|l| l.starts_with("cpu MHz"))
+        .and_then(|l| l.split(':').nth(1))
+        .and_then(|v| v.trim().parse::<f64>().ok());
+    if let Some(m) = mhz.filter(|m| *m > 0.0) {
+        return (m, "cpu MHz from /proc/cpuinfo");
+    }
+    let (c0, t0) = (cycles(), Instant::now());
+    std::thread::sleep(Duration::from_millis(200));
+    let (c1, t1) = (cycles(), Instant::now());
+    ((c1 - c0) as f64 / (t1 - t0).as_secs_f64() / 1e6, "measured")
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 #[allow(clippy::enum_variant_names)]
@@ -137,10 +177,12 @@ fn setup(a: &Args, size: usize) -> AnyResult<Side> {
     let tx_depth = if a.test.is_lat() { 1 } else { a.tx_depth };
     let scq = ctx.create_cq(tx_depth as u32 + 1)?;
     let rcq = ctx.create_cq(a.rx_depth as u32 + 1)?;
-    let mut src_mr = pd.alloc_region(size)?;
+    // page-aligned buffers, as perftest allocates them
+    let page = 4096;
+    let mut src_mr = pd.register(AlignedBuffer::zeroed(size, page)?)?;
     let src = src_mr.slice(..)?;
     let mut dst = pd.register_remote(
-        AlignedBuffer::new(size)?,
+        AlignedBuffer::zeroed(size, page)?,
         RemoteAccess::WRITE | RemoteAccess::READ,
     )?;
     let dst_handle = dst.slice(..)?;
@@ -213,7 +255,7 @@ fn send_lat(
     s: &mut Side,
     size: usize,
     iters: usize,
-    stamps: &mut [Instant],
+    stamps: &mut [u64],
 ) -> AnyResult<()> {
     let client = a.server.is_some();
     let inline = size <= a.inline_size as usize;
@@ -231,7 +273,7 @@ fn send_lat(
         }
         if scnt < iters {
             if client {
-                stamps[scnt] = Instant::now();
+                stamps[scnt] = cycles();
             }
             scnt += 1;
             let signalled = scnt % a.cq_mod == 0 || scnt == iters;
@@ -256,7 +298,7 @@ fn write_lat(
     s: &mut Side,
     size: usize,
     iters: usize,
-    stamps: &mut [Instant],
+    stamps: &mut [u64],
 ) -> AnyResult<()> {
     let client = a.server.is_some();
     let inline = size <= a.inline_size as usize;
@@ -279,7 +321,7 @@ fn write_lat(
         }
         if scnt < iters {
             if client {
-                stamps[scnt] = Instant::now();
+                stamps[scnt] = cycles();
             }
             scnt += 1;
             src.write_from(last, &[scnt as u8])?;
@@ -297,12 +339,12 @@ fn write_lat(
     Ok(())
 }
 
-fn read_lat(s: &mut Side, size: usize, iters: usize, stamps: &mut [Instant]) -> AnyResult<()> {
+fn read_lat(s: &mut Side, size: usize, iters: usize, stamps: &mut [u64]) -> AnyResult<()> {
     let mut wc = Completion::buffer(1);
     let dst = s.src.slice(..size)?;
     let from = s.remote.slice(0, size as u64)?;
     for (i, stamp) in stamps.iter_mut().enumerate().take(iters) {
-        *stamp = Instant::now();
+        *stamp = cycles();
         s.qp.post_send(SendRequest::read(dst.clone(), from).wr_id(i as u64))
             .map_err(|e| e.error)?;
         poll_some(&mut s.scq, &mut wc)?;
@@ -311,7 +353,7 @@ fn read_lat(s: &mut Side, size: usize, iters: usize, stamps: &mut [Instant]) -> 
 }
 
 /// The client side of the bandwidth tests; returns (first post, last completion).
-fn bw_client(a: &Args, s: &mut Side, size: usize, iters: usize) -> AnyResult<(Instant, Instant)> {
+fn bw_client(a: &Args, s: &mut Side, size: usize, iters: usize) -> AnyResult<(u64, u64)> {
     let src = s.src.slice(..size)?;
     let target = s.remote.slice(0, size as u64)?;
     let inline = size <= a.inline_size as usize;
@@ -333,7 +375,7 @@ fn bw_client(a: &Args, s: &mut Side, size: usize, iters: usize) -> AnyResult<(In
                 r = r.inline();
             }
             if start.is_none() {
-                start = Some(Instant::now());
+                start = Some(cycles());
             }
             s.qp.post_send(r).map_err(|e| e.error)?;
             scnt += 1;
@@ -342,7 +384,8 @@ fn bw_client(a: &Args, s: &mut Side, size: usize, iters: usize) -> AnyResult<(In
         // a signalled completion retires every send posted before it
         ccnt = wc[n - 1].wr_id() as usize + 1;
     }
-    Ok((start.unwrap_or_else(Instant::now), Instant::now()))
+    let end = cycles();
+    Ok((start.unwrap_or(end), end))
 }
 
 /// The server side of send_bw: keeps receives posted until `iters` arrived.
@@ -364,11 +407,11 @@ fn bw_server_recv(a: &Args, s: &mut Side, iters: usize) -> AnyResult<()> {
     Ok(())
 }
 
-fn report_lat(a: &Args, size: usize, stamps: &[Instant]) {
+fn report_lat(a: &Args, size: usize, stamps: &[u64], per_us: f64) {
     let rtt_factor = if a.test == Test::ReadLat { 1.0 } else { 2.0 };
     let mut d: Vec<f64> = stamps
         .windows(2)
-        .map(|w| (w[1] - w[0]).as_secs_f64() * 1e6 / rtt_factor)
+        .map(|w| w[1].wrapping_sub(w[0]) as f64 / per_us / rtt_factor)
         .collect();
     d.sort_by(|x, y| x.total_cmp(y));
     let n = d.len();
@@ -394,17 +437,17 @@ fn run(a: &Args) -> AnyResult<()> {
     if size == 0 || iters < 5 || a.cq_mod == 0 || a.tx_depth == 0 || a.rx_depth == 0 {
         return Err("size must be > 0, iters >= 5, depths and cq-mod >= 1".into());
     }
+    let (per_us, unit_source) = cycles_per_us();
     let mut s = setup(a, size)?;
     let client = a.server.is_some();
-    let now = Instant::now();
-    let mut stamps = vec![now; iters];
+    let mut stamps = vec![0u64; iters];
     match (a.test, client) {
         (Test::SendLat, _) => send_lat(a, &mut s, size, iters, &mut stamps)?,
         (Test::WriteLat, _) => write_lat(a, &mut s, size, iters, &mut stamps)?,
         (Test::ReadLat, true) => read_lat(&mut s, size, iters, &mut stamps)?,
         (Test::WriteBw | Test::SendBw, true) => {
             let (t0, t1) = bw_client(a, &mut s, size, iters)?;
-            let secs = (t1 - t0).as_secs_f64();
+            let secs = t1.wrapping_sub(t0) as f64 / per_us / 1e6;
             let mib = (size * iters) as f64 / (1 << 20) as f64;
             println!(
                 "RESULT test={:?} bytes={size} iters={iters} bw_avg_MiBps={:.2} msg_rate_Mpps={:.6}",
@@ -419,7 +462,10 @@ fn run(a: &Args) -> AnyResult<()> {
     // the server stays until the client is done with its buffer
     sync(&mut s.sock)?;
     if client && a.test.is_lat() {
-        report_lat(a, size, &stamps);
+        report_lat(a, size, &stamps, per_us);
+    }
+    if client {
+        println!("# time-stamp counter at {per_us:.3} ticks/µs ({unit_source})");
     }
     drop(s.dst_handle);
     drop(s.dst);

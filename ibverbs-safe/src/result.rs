@@ -16,7 +16,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 static DROP_FAILURES: AtomicUsize = AtomicUsize::new(0);
 
 /// How many destroy/deregister calls made from `Drop` implementations failed in this
-/// process (`Drop` never panics; it records failures here instead).
+/// process (`Drop` never panics; it records failures here instead, and prints each one to
+/// stderr when the environment variable `IBVERBS_SAFE_DEBUG` is set).
 pub fn drop_failures() -> usize {
     DROP_FAILURES.load(Ordering::Relaxed)
 }

@@ -354,7 +354,9 @@ impl<'a> QpBuilder<'a> {
             qpn,
             max_send_sge: (cap.max_send_sge as usize).clamp(1, MAX_SGE),
             max_recv_sge: (cap.max_recv_sge as usize).clamp(1, MAX_SGE),
-            max_inline: cap.max_inline_data.max(self.cap.max_inline_data),
+            // What the provider granted (never more than it reported: inline data is copied from
+            // unregistered memory, so this limit is part of the safety contract).
+            max_inline: cap.max_inline_data,
             p,
         };
         // INIT
