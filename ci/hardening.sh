@@ -179,6 +179,7 @@ asan_jobs=(
   # fabric-core: shm/tcp cross-process suites (peer killed, fd/mapping counts), bootstrap
   "fabric|--test fabric_transport|"
   "fabric|--test fabric_bootstrap|"
+  "fabric|--test bad_input_transport|"
   "fabric-core|--lib|"
   # nvlink-p2p: SCM_RIGHTS / pidfd fd passing between processes
   "nvlink-p2p|--test fd_passing|"

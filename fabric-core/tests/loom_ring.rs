@@ -1,6 +1,7 @@
 //! loom models of the shm SPSC ring (`src/ring.rs`), beyond the in-module model:
-//! wrap-around with padding records, a record of the largest payload (the ring exactly
-//! half full), `is_empty` / `has_room` across threads, and reserve-without-commit.
+//! wrap-around with padding records, records of the largest payload (two fill the ring),
+//! one-granule records filling it exactly, `is_empty` / `has_room` across threads, and
+//! reserve-without-commit.
 //!
 //! Run: `RUSTFLAGS="--cfg fabric_loom" LOOM_MAX_PREEMPTIONS=3 cargo test --release
 //! -p fabric-core --test loom_ring` (CI: `ci/hardening.sh`). Loom's `UnsafeCell` tracking
@@ -79,6 +80,19 @@ fn loom_ring_max_payload_full_then_reuse() {
     model(|| {
         let (p, mut c) = ring::heap(256);
         assert_eq!(p.max_payload(), 112);
+        let t = thread::spawn(move || push_all(p, &LENS));
+        pop_all(&mut c, &LENS);
+        t.join().unwrap();
+    });
+}
+
+/// Five one-granule records in a four-granule ring: the fifth must wait until the first is
+/// released (an off-by-one in the full check would overwrite an unread record).
+#[test]
+fn loom_ring_one_granule_records_fill_exactly() {
+    static LENS: [usize; 5] = [40, 41, 42, 43, 44];
+    model(|| {
+        let (p, mut c) = ring::heap(256);
         let t = thread::spawn(move || push_all(p, &LENS));
         pop_all(&mut c, &LENS);
         t.join().unwrap();

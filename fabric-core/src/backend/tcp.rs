@@ -504,8 +504,15 @@ impl TcpHal {
                 _keep: keep,
             });
         }
-        let token = t.submit_pop()?;
-        let p = t.get(token).expect("queued token is live");
+        // A hostile peer can "answer" an operation still queued here (tokens are guessable),
+        // which completes it early; such an operation has nothing left to send.
+        let token = loop {
+            let token = t.submit_pop()?;
+            if t.get(token).is_some() {
+                break token;
+            }
+        };
+        let p = t.get(token).expect("checked live just above");
         let len = p.buf.len();
         let (mut h, payload, plen, awaits) = match p.desc {
             OpDesc::Send => (
