@@ -379,8 +379,12 @@ fn suite(kind: TransportKind) {
     peer_killed(kind);
     let (fds2, maps2) = (count_fds(), count_maps());
     assert_eq!(fds, fds2, "file descriptors leaked");
-    // Allow a little allocator growth, but not a mapping per region or channel.
-    assert!(maps2 <= maps + 2, "mappings leaked: {maps} -> {maps2}");
+    // Allow a little allocator growth, but not a mapping per region or channel. (Under
+    // AddressSanitizer, whose allocator maps and quarantines memory of its own, ci/hardening.sh
+    // sets FABRIC_SANITIZER and LeakSanitizer checks for leaked regions instead.)
+    if std::env::var_os("FABRIC_SANITIZER").is_none() {
+        assert!(maps2 <= maps + 2, "mappings leaked: {maps} -> {maps2}");
+    }
 }
 
 #[test]

@@ -194,8 +194,13 @@ impl Region {
         self.inner.device.as_deref()
     }
 
-    /// Anonymous private memory (backends whose peer never maps it).
-    pub(crate) fn anonymous(
+    /// Anonymous private memory (backends whose peer never maps it). Public so that tests
+    /// and fuzz targets can drive a [`Tracker`](crate::tracker::Tracker) directly; a region
+    /// only becomes usable on a connection whose id is `owner`.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the memory cannot be mapped.
+    pub fn anonymous(
         id: u32,
         owner: u64,
         transport: TransportKind,

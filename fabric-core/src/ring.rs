@@ -141,7 +141,8 @@ pub struct Record {
 ///
 /// # Safety
 /// 1. `hdr` points to a properly aligned `RingHeader` (or all-zero bytes) and `data` to
-///    `cap` writable bytes, both valid for as long as `keep` lives.
+///    `cap` writable bytes aligned to at least 8 (record headers are read and written as
+///    `u64`), both valid for as long as `keep` lives.
 /// 2. `cap` is a power of two, at least `4 * GRANULE`.
 /// 3. Only one `Producer` and one `Consumer` for this memory exist at a time, across all
 ///    processes that map it.
@@ -152,6 +153,7 @@ pub unsafe fn from_raw(
     keep: Arc<dyn Send + Sync>,
 ) -> (Producer, Consumer) {
     debug_assert!(cap.is_power_of_two() && cap >= 4 * GRANULE);
+    debug_assert!(data as usize % 8 == 0, "ring data must be 8-byte aligned");
     let s = Arc::new(Shared {
         hdr,
         data,
@@ -180,7 +182,8 @@ pub unsafe fn from_raw(
 
 struct HeapRing {
     hdr: RingHeader,
-    data: Box<[std::cell::UnsafeCell<u8>]>,
+    // `u64` words, not bytes: record headers are accessed as aligned `u64`s.
+    data: Box<[std::cell::UnsafeCell<u64>]>,
 }
 // SAFETY: the data bytes are accessed only through the SPSC protocol (see `Shared`).
 unsafe impl Sync for HeapRing {}
@@ -191,12 +194,15 @@ pub fn heap(cap: usize) -> (Producer, Consumer) {
     let cap = cap.max(4 * GRANULE).next_power_of_two();
     let ring = Arc::new(HeapRing {
         hdr: RingHeader::new(),
-        data: (0..cap).map(|_| std::cell::UnsafeCell::new(0)).collect(),
+        data: (0..cap / 8)
+            .map(|_| std::cell::UnsafeCell::new(0))
+            .collect(),
     });
     let hdr: *const RingHeader = &ring.hdr;
     let data = ring.data.as_ptr() as *mut u8;
-    // SAFETY: `hdr`/`data` point into `ring`, kept alive by `keep`; `cap` is a power of two
-    // >= 4 granules; we hand out exactly one producer and one consumer.
+    // SAFETY: `hdr`/`data` point into `ring`, kept alive by `keep`; `data` is `cap` bytes of
+    // 8-aligned `u64`s; `cap` is a power of two >= 4 granules; we hand out exactly one
+    // producer and one consumer.
     unsafe { from_raw(hdr, data, cap, ring) }
 }
 

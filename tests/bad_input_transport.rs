@@ -1,0 +1,307 @@
+//! Bad peers against the transport listeners (the connection setup after the bootstrap):
+//! the `tcp` listener gets an HTTP request, a truncated hello, a silent client and, once a
+//! raw peer has passed the hello, a frame with a 4 GiB length prefix; the `shm` listener
+//! gets a Unix-socket peer that speaks garbage, one that hangs up mid-handshake and a silent
+//! one. Each bad peer is dropped (or its connection fails with a typed error completion),
+//! and the listener still serves the next well-formed peer. (The bootstrap listener's bad
+//! peers, wrong secret included, are in `tests/fabric_bootstrap.rs`.)
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixStream};
+use std::time::{Duration, Instant};
+
+use fabric_core::backend::{self, Listener, Options};
+use fabric_core::{Access, Completion, OpKind, Status, Transport, TransportKind};
+
+fn opts() -> Options {
+    Options {
+        handshake_timeout: Duration::from_secs(2),
+        ..Options::default()
+    }
+}
+
+/// Drives `l.accept()` (and the good connector) until the good peer is connected; the
+/// bad peers must neither block nor break the listener meanwhile.
+fn serve_good_peer(
+    l: &mut dyn Listener,
+    opts: &Options,
+) -> (Box<dyn Transport>, Box<dyn Transport>) {
+    let mut c = backend::connect(l.address(), opts).expect("connect");
+    let (mut a, mut b) = (None, None);
+    let end = Instant::now() + Duration::from_secs(20);
+    while a.is_none() || b.is_none() {
+        assert!(Instant::now() < end, "the well-formed peer was not served");
+        if a.is_none() {
+            a = l.accept().expect("the listener itself must not fail");
+        }
+        if b.is_none() {
+            b = c.poll_connect().expect("the good connector must not fail");
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    (a.unwrap(), b.unwrap())
+}
+
+fn wait_one(t: &mut dyn Transport) -> Completion {
+    let mut out: Vec<Completion> = (0..1).map(|_| Completion::default()).collect();
+    let end = Instant::now() + Duration::from_secs(20);
+    loop {
+        if t.poll(&mut out).expect("poll") == 1 {
+            return std::mem::take(&mut out[0]);
+        }
+        assert!(Instant::now() < end, "no completion within 20 s");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// A message goes through the connection the listener finally served.
+fn works(a: &mut dyn Transport, b: &mut dyn Transport) {
+    let rx = a.register(64, Access::empty()).unwrap();
+    let tx = b.register(64, Access::empty()).unwrap();
+    tx.write_at(0, b"well-formed peer").unwrap();
+    a.post_recv(rx.slice(0, 64).unwrap(), 1)
+        .map_err(|e| e.error)
+        .unwrap();
+    b.post_send(tx.slice(0, 16).unwrap(), 2)
+        .map_err(|e| e.error)
+        .unwrap();
+    let (mut got_recv, mut got_send) = (None, None);
+    let end = Instant::now() + Duration::from_secs(20);
+    let mut out: Vec<Completion> = (0..2).map(|_| Completion::default()).collect();
+    while got_recv.is_none() || got_send.is_none() {
+        assert!(Instant::now() < end, "message never arrived");
+        if a.poll(&mut out).unwrap() > 0 {
+            got_recv = Some(std::mem::take(&mut out[0]));
+        }
+        if b.poll(&mut out).unwrap() > 0 {
+            got_send = Some(std::mem::take(&mut out[0]));
+        }
+    }
+    let r = got_recv.unwrap();
+    assert_eq!((r.op, r.status, r.len), (OpKind::Recv, Status::Success, 16));
+    let mut buf = [0u8; 16];
+    rx.read_at(0, &mut buf).unwrap();
+    assert_eq!(&buf, b"well-formed peer");
+    assert_eq!(got_send.unwrap().status, Status::Success);
+}
+
+fn tcp_addr(l: &dyn Listener) -> String {
+    l.address()
+        .strip_prefix("tcp:")
+        .expect("tcp address")
+        .to_string()
+}
+
+#[test]
+fn tcp_listener_survives_bad_peers() {
+    let opts = opts();
+    let mut l = backend::listen(TransportKind::Tcp, &opts).unwrap();
+    let addr = tcp_addr(l.as_ref());
+
+    // Garbage: an HTTP request.
+    let mut http = TcpStream::connect(&addr).unwrap();
+    http.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    // A truncated hello, then hang-up.
+    let mut short = TcpStream::connect(&addr).unwrap();
+    short
+        .write_all(&0x3150_4354_4246_4246u64.to_le_bytes()[..5])
+        .unwrap();
+    drop(short);
+    // A silent client that keeps its connection open.
+    let silent = TcpStream::connect(&addr).unwrap();
+    for _ in 0..50 {
+        assert!(
+            l.accept().expect("listener").is_none(),
+            "a bad peer was accepted"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    // The garbage peer is refused: the listener closes it.
+    http.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let mut sink = Vec::new();
+    let _ = http.read_to_end(&mut sink);
+
+    let (mut a, mut b) = serve_good_peer(l.as_mut(), &opts);
+    works(a.as_mut(), b.as_mut());
+    drop(silent);
+}
+
+#[test]
+fn tcp_connection_refuses_a_4gib_frame() {
+    let opts = opts();
+    let mut l = backend::listen(TransportKind::Tcp, &opts).unwrap();
+    let addr = tcp_addr(l.as_ref());
+    // A raw peer that passes the 16-byte hello ("FBFBTCP1" + 8 bytes), then sends a Send
+    // frame header whose length field says 4 GiB - 1.
+    let mut raw = TcpStream::connect(&addr).unwrap();
+    let mut hello = [0u8; 16];
+    hello[..8].copy_from_slice(&0x3150_4354_4246_4246u64.to_le_bytes());
+    raw.write_all(&hello).unwrap();
+    let end = Instant::now() + Duration::from_secs(10);
+    let mut t = loop {
+        if let Some(t) = l.accept().unwrap() {
+            break t;
+        }
+        assert!(
+            Instant::now() < end,
+            "the raw peer's hello was not accepted"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    let rx = t.register(4096, Access::empty()).unwrap();
+    t.post_recv(rx.slice(0, 4096).unwrap(), 7)
+        .map_err(|e| e.error)
+        .unwrap();
+    let mut frame = [0u8; fabric_core::backend::tcp::FRAME_HEADER];
+    frame[0] = 1; // Send
+    frame[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
+    raw.write_all(&frame).unwrap();
+    raw.write_all(&[0xAB; 4096]).unwrap();
+    // The receive completes with an error (the connection is unusable), promptly, with no
+    // 4 GiB allocation; the buffer comes back.
+    let c = wait_one(t.as_mut());
+    assert_eq!(c.wr_id, 7);
+    println!("4 GiB frame: receive completed with {:?}", c.status);
+    assert!(!c.status.is_ok(), "a 4 GiB frame was accepted: {c:?}");
+    assert!(c.buf.is_some());
+    assert_eq!(t.in_flight(), 0);
+    // New posts get a typed error instead of hanging.
+    let e = t.post_recv(rx.slice(0, 8).unwrap(), 8).unwrap_err();
+    assert!(
+        matches!(e.error, fabric_core::Error::Disconnected(_)),
+        "{}",
+        e.error
+    );
+    // And the listener still serves a well-formed peer.
+    let (mut a, mut b) = serve_good_peer(l.as_mut(), &opts);
+    works(a.as_mut(), b.as_mut());
+}
+
+#[test]
+fn shm_listener_survives_bad_peers() {
+    let opts = opts();
+    let mut l = backend::listen(TransportKind::Shm, &opts).unwrap();
+    let name = l
+        .address()
+        .strip_prefix("shm:@")
+        .expect("shm address")
+        .to_string();
+    let sa = SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+    // Garbage instead of the 24-byte answer (and no descriptor).
+    let mut junk = UnixStream::connect_addr(&sa).unwrap();
+    // A peer that hangs up mid-handshake.
+    let quitter = UnixStream::connect_addr(&sa).unwrap();
+    // A silent peer.
+    let silent = UnixStream::connect_addr(&sa).unwrap();
+    for _ in 0..20 {
+        assert!(
+            l.accept().expect("listener").is_none(),
+            "a bad peer was accepted"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    drop(quitter);
+    junk.write_all(&[0xff; 24]).unwrap();
+    junk.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+    for _ in 0..20 {
+        assert!(
+            l.accept().expect("listener").is_none(),
+            "a bad peer was accepted"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let (mut a, mut b) = serve_good_peer(l.as_mut(), &opts);
+    works(a.as_mut(), b.as_mut());
+    drop(silent);
+}
+
+/// A hostile tcp peer answers an operation that is still queued (not yet sent): tokens are
+/// predictable (slot index | generation << 32), so it can send a WriteAck for a write that
+/// waits behind a large send the peer refuses to read. The connection must survive that
+/// with typed outcomes — every buffer back exactly once, no panic when the queued write's
+/// turn comes.
+#[test]
+fn tcp_premature_response_for_a_queued_op() {
+    let opts = Options {
+        max_message: 64 << 20,
+        ..opts()
+    };
+    let mut l = backend::listen(TransportKind::Tcp, &opts).unwrap();
+    let addr = tcp_addr(l.as_ref());
+    let mut raw = TcpStream::connect(&addr).unwrap();
+    let mut hello = [0u8; 16];
+    hello[..8].copy_from_slice(&0x3150_4354_4246_4246u64.to_le_bytes());
+    raw.write_all(&hello).unwrap();
+    let end = Instant::now() + Duration::from_secs(10);
+    let mut t = loop {
+        if let Some(t) = l.accept().unwrap() {
+            break t;
+        }
+        assert!(
+            Instant::now() < end,
+            "the raw peer's hello was not accepted"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    let mut their_hello = [0u8; 16];
+    raw.read_exact(&mut their_hello).unwrap();
+    // Slot 0: a send far larger than the socket buffers (the raw peer does not read yet).
+    let big = t.register(32 << 20, Access::empty()).unwrap();
+    t.post_send(big.full(), 1).map_err(|e| e.error).unwrap();
+    // Slot 1: a write, queued behind it. Its key only has to pass the local checks.
+    let src = t.register(64, Access::empty()).unwrap();
+    let key = fabric_core::RemoteKey {
+        transport: TransportKind::Tcp,
+        region: 0,
+        access: (Access::REMOTE_WRITE | Access::LOCAL_WRITE).bits(),
+        len: 4096,
+        key: 0x1234,
+        addr: 0,
+        rkey: 0,
+    };
+    t.post_write(src.slice(0, 64).unwrap(), &key, 0, 2)
+        .map_err(|e| e.error)
+        .unwrap();
+    let mut out: Vec<Completion> = (0..4).map(|_| Completion::default()).collect();
+    assert_eq!(t.poll(&mut out).unwrap(), 0);
+    // The peer acknowledges the write it never received (token of slot 1, generation 0).
+    let mut ack = [0u8; fabric_core::backend::tcp::FRAME_HEADER];
+    ack[0] = 5; // WriteAck
+    ack[8..16].copy_from_slice(&1u64.to_le_bytes());
+    raw.write_all(&ack).unwrap();
+    // Now it drains everything we send, so the big send finishes and the write's turn comes.
+    let reader = std::thread::spawn(move || {
+        let mut sink = vec![0u8; 1 << 20];
+        let mut total = 0usize;
+        raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        while let Ok(n) = raw.read(&mut sink) {
+            if n == 0 {
+                break;
+            }
+            total += n;
+        }
+        total
+    });
+    let mut seen = std::collections::HashMap::new();
+    let end = Instant::now() + Duration::from_secs(30);
+    while seen.len() < 2 {
+        assert!(Instant::now() < end, "operations never completed: {seen:?}");
+        let n = t.poll(&mut out).unwrap();
+        for c in out.iter_mut().take(n) {
+            assert!(c.buf.take().is_some(), "completion without its buffer");
+            assert!(
+                seen.insert(c.wr_id, c.status).is_none(),
+                "wr_id {} completed twice",
+                c.wr_id
+            );
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(t.in_flight(), 0);
+    drop(t);
+    let _ = reader.join();
+}
