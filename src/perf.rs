@@ -134,6 +134,10 @@ impl Peer {
     /// # Errors
     /// As [`next_completion`](Self::next_completion).
     pub fn next_patient(&mut self) -> fabric_core::Result<Completion> {
+        if PINNED.load(std::sync::atomic::Ordering::Relaxed) {
+            // On its own core the waiter takes nothing from the copier: keep polling.
+            return self.next_with_spin(self.spin);
+        }
         self.next_with_spin(Duration::from_micros(5))
     }
 
