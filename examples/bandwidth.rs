@@ -50,9 +50,15 @@ struct Args {
     /// Modes to run, comma separated: send, bisend, write, read.
     #[arg(long, default_value = "send,bisend,write,read", value_delimiter = ',')]
     modes: Vec<String>,
+    /// Do not pin this process and its spawned peer to two different CPUs.
+    #[arg(long)]
+    no_pin: bool,
     /// Internal: run as the responder spawned by a no-argument run.
     #[arg(long, hide = true, value_name = "ADDRESS")]
     responder: Option<String>,
+    /// Internal: the CPU the spawned responder pins itself to.
+    #[arg(long, hide = true)]
+    pin_cpu: Option<usize>,
 }
 
 fn main() {
@@ -66,6 +72,8 @@ fn main() {
         secret: args.secret.clone(),
         responder: args.responder.clone(),
         max: args.max_size.max(args.min_size),
+        pin: !args.no_pin,
+        pin_cpu: args.pin_cpu,
     };
     let r = perf::apply_env(&mut setup)
         .map_err(Into::into)

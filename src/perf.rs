@@ -82,6 +82,9 @@ fn err(s: impl Into<String>) -> Error {
     Error::Protocol(s.into())
 }
 
+/// Set when this process was pinned to its own CPU (see [`Setup::pin`]).
+static PINNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// A connection plus the completion slots to poll into.
 #[derive(Debug)]
 pub struct Peer {
@@ -89,6 +92,7 @@ pub struct Peer {
     pub conn: Box<dyn Transport>,
     cq: Vec<Completion>,
     deadline: Duration,
+    spin: Duration,
 }
 
 impl Peer {
@@ -98,7 +102,20 @@ impl Peer {
             conn,
             cq: (0..1).map(|_| Completion::default()).collect(),
             deadline,
+            spin: if PINNED.load(std::sync::atomic::Ordering::Relaxed) {
+                Duration::from_micros(200)
+            } else {
+                Duration::from_micros(20)
+            },
         }
+    }
+
+    /// How long to busy-poll before yielding the CPU (default 20 us: a peer that shares
+    /// our core gets it quickly; 200 us once [`establish`] pinned the two processes to
+    /// their own cores).
+    pub fn with_spin(mut self, spin: Duration) -> Self {
+        self.spin = spin;
+        self
     }
 
     /// The next completion: busy-polls for a while, then sleeps on the wait fd.
@@ -107,7 +124,7 @@ impl Peer {
     /// A failed completion (`Error::Disconnected` / `Error::Protocol` with its status) or
     /// no completion within the deadline.
     pub fn next_completion(&mut self) -> fabric_core::Result<Completion> {
-        self.next_with_spin(Duration::from_micros(200))
+        self.next_with_spin(self.spin)
     }
 
     /// Like [`next_completion`](Self::next_completion) but sleeps on the wait fd after a
@@ -117,6 +134,10 @@ impl Peer {
     /// # Errors
     /// As [`next_completion`](Self::next_completion).
     pub fn next_patient(&mut self) -> fabric_core::Result<Completion> {
+        if PINNED.load(std::sync::atomic::Ordering::Relaxed) {
+            // On its own core the waiter takes nothing from the copier: keep polling.
+            return self.next_with_spin(self.spin);
+        }
         self.next_with_spin(Duration::from_micros(5))
     }
 
@@ -136,7 +157,7 @@ impl Peer {
                 }
                 return Ok(c);
             }
-            // Busy-poll for ~200 us, then poll-and-yield (an oversubscribed host may run
+            // Busy-poll for ~20 us, then poll-and-yield (an oversubscribed host may run
             // the peer on our core) until ~2 ms, then sleep on the wait fd.
             spins += 1;
             if spins % 16 != 0 {
@@ -147,7 +168,7 @@ impl Peer {
             let waited = t0.elapsed();
             if waited < spin {
                 std::hint::spin_loop();
-            } else if waited < Duration::from_millis(2) && spin >= Duration::from_micros(100) {
+            } else if waited < Duration::from_millis(2) && spin >= Duration::from_micros(10) {
                 std::thread::yield_now();
             } else {
                 if waited > self.deadline {
@@ -565,6 +586,11 @@ pub struct Setup {
     pub responder: Option<String>,
     /// Largest message.
     pub max: usize,
+    /// No-argument runs: pin this process and the spawned peer to two different CPUs
+    /// (`--no-pin` turns it off). Hidden `--pin-cpu N` carries the peer's CPU.
+    pub pin: bool,
+    /// The CPU the spawned peer pins itself to.
+    pub pin_cpu: Option<usize>,
 }
 
 /// The result of [`establish`].
@@ -608,6 +634,10 @@ pub fn establish(setup: &Setup) -> Result<Side, Box<dyn std::error::Error>> {
     let opts = Options::default();
     let timeout = Duration::from_secs(60);
     if let Some(addr) = &setup.responder {
+        if let Some(cpu) = setup.pin_cpu {
+            fabric_core::sys::pin_to_cpu(cpu)?;
+            PINNED.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         let mut c = backend::connect(addr, &opts)?;
         return Ok(Side::Responder(backend::connect_timeout(
             c.as_mut(),
@@ -646,7 +676,17 @@ pub fn establish(setup: &Setup) -> Result<Side, Box<dyn std::error::Error>> {
     }
     let kind = setup.transport.unwrap_or(fabric_core::TransportKind::Shm);
     let mut listener = backend::listen(kind, &opts)?;
-    let mut child = std::process::Command::new(std::env::current_exe()?)
+    let mut cmd = std::process::Command::new(std::env::current_exe()?);
+    if setup.pin {
+        // Two busy-polling processes on one core wait for each other's time slices.
+        let cpus = fabric_core::sys::allowed_cpus()?;
+        if cpus.len() >= 2 {
+            fabric_core::sys::pin_to_cpu(cpus[0])?;
+            PINNED.store(true, std::sync::atomic::Ordering::Relaxed);
+            cmd.arg("--pin-cpu").arg(cpus[1].to_string());
+        }
+    }
+    let mut child = cmd
         .arg("--responder")
         .arg(listener.address())
         .arg("--max-size")

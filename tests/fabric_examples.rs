@@ -100,3 +100,25 @@ fn fabric_info_reports_without_panicking() {
     assert!(out.contains("shm       usable"), "{out}");
     assert!(out.contains("tcp       usable"), "{out}");
 }
+
+/// The main job over RDMA when this machine has an active RDMA port (the Soft-RoCE guest).
+#[test]
+fn pingpong_over_verbs_when_available() {
+    if let Err(e) = (fabric_core::backend::verbs::ENTRY.probe)() {
+        println!("skipped: pingpong_over_verbs_when_available: {e}");
+        return;
+    }
+    let Some(out) = run(
+        "pingpong",
+        &["--max-size", "65536", "--iters", "50", "--no-bw"],
+        &[("FABRIC_TRANSPORT", "verbs")],
+    ) else {
+        return;
+    };
+    assert!(out.contains("transport verbs"), "{out}");
+    assert_eq!(
+        rows(&out).last().map(|r| r[0].as_str()),
+        Some("65536"),
+        "{out}"
+    );
+}

@@ -10,7 +10,8 @@
 # "send", best of 3) vs UCX tag_bw "overall" (UCX prints MB/s = 2^20 bytes/s), and vs
 # `memcpy` measured by the same `bandwidth` run. Every figure (ours and the references) is
 # the best of TRIALS (default 3) runs, so that a busy host's preemptions do not decide it. UCX runs with UCX_TLS=posix,self (shm)
-# or UCX_TLS=tcp (tcp), both processes on this host.
+# or UCX_TLS=tcp (tcp), both processes on this host, pinned to two CPUs with taskset (our
+# examples pin themselves and their spawned peer the same way).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ITERS=${ITERS:-20000}
@@ -20,15 +21,17 @@ cargo build --release --example pingpong --example bandwidth >&2
 PP=target/release/examples/pingpong
 BW=target/release/examples/bandwidth
 port=$((20000 + RANDOM % 20000))
+# Both sides pinned to two different CPUs, like our examples pin themselves and their peer.
+read -r CPU_A CPU_B < <(taskset -pc $$ | sed 's/.*: //' | awk -F, '{ split($1, r, "-"); a = r[1]; b = (r[2] != "" ? a + 1 : $2); print a, b }')
 
 # ucx TLS TEST SIZE ITERS -> "median_latency_us overall_bw_MiBs"
 ucx() {
   local tls=$1 test=$2 size=$3 n=$4 out srv
   port=$((port + 1))
-  UCX_TLS=$tls timeout 300 ucx_perftest -p "$port" -t "$test" -s "$size" -n "$n" >/dev/null 2>&1 &
+  UCX_TLS=$tls timeout 300 taskset -c "$CPU_A" ucx_perftest -p "$port" -t "$test" -s "$size" -n "$n" >/dev/null 2>&1 &
   srv=$!
   sleep 0.5
-  out=$(UCX_TLS=$tls timeout 300 ucx_perftest localhost -p "$port" -t "$test" -s "$size" -n "$n" 2>&1 | grep '^Final:' || true)
+  out=$(UCX_TLS=$tls timeout 300 taskset -c "$CPU_B" ucx_perftest localhost -p "$port" -t "$test" -s "$size" -n "$n" 2>&1 | grep '^Final:' || true)
   wait "$srv" 2>/dev/null || true
   echo "ucx $tls $test $size: $out" >&2
   echo "$out" | awk '{print $3, $7}'

@@ -481,3 +481,39 @@ pub unsafe fn read_raw(fd: BorrowedFd<'_>, dst: *mut u8, len: usize) -> Result<O
         }
     }
 }
+
+/// The CPUs this thread may run on (`sched_getaffinity`), in order.
+///
+/// # Errors
+/// [`Error::Io`] when the call fails.
+pub fn allowed_cpus() -> Result<Vec<usize>> {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is a valid out-parameter of the stated size.
+    cvt("sched_getaffinity", unsafe {
+        libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set)
+    })?;
+    Ok((0..libc::CPU_SETSIZE as usize)
+        // SAFETY: CPU_ISSET reads the set; the index is below CPU_SETSIZE.
+        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+        .collect())
+}
+
+/// Pins the calling thread to `cpu` (benchmarks: keeps two busy-polling peers off one core).
+///
+/// # Errors
+/// [`Error::Io`] when the CPU is not allowed or the call fails.
+pub fn pin_to_cpu(cpu: usize) -> Result<()> {
+    if cpu >= libc::CPU_SETSIZE as usize {
+        return Err(Error::InvalidArgument(format!("cpu {cpu} out of range")));
+    }
+    // SAFETY: a zeroed cpu_set_t is a valid empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: the index is below CPU_SETSIZE (checked).
+    unsafe { libc::CPU_SET(cpu, &mut set) };
+    // SAFETY: `set` is a valid cpu_set_t of the stated size.
+    cvt("sched_setaffinity", unsafe {
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
+    })?;
+    Ok(())
+}

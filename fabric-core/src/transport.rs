@@ -380,6 +380,12 @@ pub trait Transport: Send + fmt::Debug {
 
     /// Posts a two-sided send of `buf`'s bytes.
     ///
+    /// Its completion means the buffer may be reused: the bytes were copied out (shm
+    /// eager, tcp) or read by the peer (shm rendezvous, verbs). It does not promise that a
+    /// receive matched them: if the connection dies first, messages still in transit are
+    /// lost (as with a TCP connection) and the peer's pending receives complete with
+    /// [`Status::PeerGone`].
+    ///
     /// # Errors
     /// [`Error::WouldBlock`] (backpressure), [`Error::MessageTooLarge`],
     /// [`Error::Foreign`], [`Error::Disconnected`]; the buffer comes back in the error.

@@ -79,6 +79,32 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
+    /// `ibv_reg_dmabuf_mr` failed. `EOPNOTSUPP`/`EPROTONOSUPPORT` mean the device, its
+    /// provider or the kernel cannot register DMA-BUF memory (see the message).
+    #[error("ibv_reg_dmabuf_mr(fd {fd}, offset {offset}, {len} bytes, iova {iova:#x}, access {access:#x}) failed{}", dmabuf_hint(.source))]
+    RegDmabufMr {
+        /// The DMA-BUF fd.
+        fd: i32,
+        /// Offset of the range in the DMA-BUF.
+        offset: u64,
+        /// Length of the range.
+        len: usize,
+        /// The I/O virtual address requested for its first byte.
+        iova: u64,
+        /// Access flags.
+        access: u32,
+        /// OS error.
+        #[source]
+        source: io::Error,
+    },
+    /// This libibverbs lacks an optional entry point (older rdma-core).
+    #[error("{what} is not available in this libibverbs: {needs}")]
+    Unsupported {
+        /// The missing feature / verb.
+        what: &'static str,
+        /// What provides it.
+        needs: &'static str,
+    },
     /// Allocating or mapping a buffer failed.
     #[error("allocating a {len}-byte buffer failed")]
     Alloc {
@@ -199,6 +225,33 @@ fn memlock_hint(e: &io::Error) -> &'static str {
          /etc/security/limits.conf (or LimitMEMLOCK= for systemd services)"
     } else {
         ""
+    }
+}
+
+fn dmabuf_hint(e: &io::Error) -> &'static str {
+    match e.raw_os_error() {
+        Some(libc::EOPNOTSUPP | libc::EPROTONOSUPPORT | libc::ENOSYS) => {
+            ": this device, its rdma-core provider or the kernel cannot register DMA-BUF memory \
+             (needs Linux 5.12+ and a driver with DMA-BUF MR support, e.g. mlx5; Soft-RoCE/rxe \
+             has none)"
+        }
+        Some(libc::ENOMEM) => memlock_hint(e),
+        _ => "",
+    }
+}
+
+impl Error {
+    /// Whether this error says the library, device, provider or kernel lacks the feature
+    /// (as opposed to a bad argument or a transient failure).
+    pub fn is_unsupported(&self) -> bool {
+        match self {
+            Error::Unsupported { .. } => true,
+            Error::RegDmabufMr { source, .. } => matches!(
+                source.raw_os_error(),
+                Some(libc::EOPNOTSUPP | libc::EPROTONOSUPPORT | libc::ENOSYS)
+            ),
+            _ => false,
+        }
     }
 }
 

@@ -36,6 +36,9 @@ pub(crate) struct Verbs {
     pub dealloc_pd: unsafe extern "C" fn(*mut ibv_pd) -> c_int,
     pub reg_mr: unsafe extern "C" fn(*mut ibv_pd, *mut c_void, usize, c_int) -> *mut ibv_mr,
     pub dereg_mr: unsafe extern "C" fn(*mut ibv_mr) -> c_int,
+    /// `ibv_reg_dmabuf_mr(pd, offset, length, iova, fd, access)` (IBVERBS_1.12, rdma-core
+    /// 34+): DMA-BUF registration; absent on older libraries.
+    pub reg_dmabuf_mr: Option<RegDmabufMrFn>,
     pub create_comp_channel: unsafe extern "C" fn(*mut ibv_context) -> *mut ibv_comp_channel,
     pub destroy_comp_channel: unsafe extern "C" fn(*mut ibv_comp_channel) -> c_int,
     pub create_cq: unsafe extern "C" fn(
@@ -60,6 +63,13 @@ pub(crate) struct Verbs {
     pub destroy_ah: unsafe extern "C" fn(*mut ibv_ah) -> c_int,
 }
 
+/// The prototype of `ibv_reg_dmabuf_mr`.
+pub(crate) type RegDmabufMrFn =
+    unsafe extern "C" fn(*mut ibv_pd, u64, usize, u64, c_int, c_int) -> *mut ibv_mr;
+
+/// Symbol version that introduced `ibv_reg_dmabuf_mr`.
+pub(crate) const REG_DMABUF_MR_VERSION: &str = "IBVERBS_1.12";
+
 struct Library {
     handle: *mut c_void,
 }
@@ -73,6 +83,15 @@ impl Library {
             return Err(dlerror_string());
         }
         Ok(Self { handle })
+    }
+
+    /// Resolves exactly `name@version` (no fallback), `None` when absent.
+    fn vsym(&self, name: &str, version: &str) -> Option<*mut c_void> {
+        let n = std::ffi::CString::new(name).ok()?;
+        let v = std::ffi::CString::new(version).ok()?;
+        // SAFETY: the handle came from a successful dlopen and both strings are NUL-terminated.
+        let p = unsafe { libc::dlvsym(self.handle, n.as_ptr(), v.as_ptr()) };
+        (!p.is_null()).then_some(p)
     }
 
     /// Resolves `name@version`, falling back to the unversioned default symbol only when the
@@ -148,6 +167,15 @@ impl Verbs {
                 >(p)
             }
         });
+        // Only the exact versioned symbol: the unversioned fallback of `sym` would accept a
+        // same-named function of another ABI.
+        let reg_dmabuf_mr = lib
+            .vsym("ibv_reg_dmabuf_mr", REG_DMABUF_MR_VERSION)
+            .map(|p| {
+                // SAFETY: `ibv_reg_dmabuf_mr(pd, offset, length, iova, fd, access)` has this
+                // prototype in verbs.h (IBVERBS_1.12).
+                unsafe { fn_ptr::<RegDmabufMrFn>(p) }
+            });
         let v = Verbs {
             get_device_list: resolve!(lib, "ibv_get_device_list", "IBVERBS_1.1"),
             free_device_list: resolve!(lib, "ibv_free_device_list", "IBVERBS_1.1"),
@@ -163,6 +191,7 @@ impl Verbs {
             dealloc_pd: resolve!(lib, "ibv_dealloc_pd", "IBVERBS_1.1"),
             reg_mr: resolve!(lib, "ibv_reg_mr", "IBVERBS_1.1"),
             dereg_mr: resolve!(lib, "ibv_dereg_mr", "IBVERBS_1.1"),
+            reg_dmabuf_mr,
             create_comp_channel: resolve!(lib, "ibv_create_comp_channel", "IBVERBS_1.0"),
             destroy_comp_channel: resolve!(lib, "ibv_destroy_comp_channel", "IBVERBS_1.0"),
             create_cq: resolve!(lib, "ibv_create_cq", "IBVERBS_1.1"),
@@ -237,8 +266,12 @@ mod tests {
     #[test]
     fn loads_versioned_symbols_where_installed() {
         match Verbs::load_from(LIBRARY) {
-            Ok(_) => {}
-            Err(e) => println!("skipped: {LIBRARY} not installed ({e})"),
+            // rdma-core 34 (2021) added ibv_reg_dmabuf_mr; CI installs a newer one.
+            Ok(v) => assert!(
+                v.reg_dmabuf_mr.is_some(),
+                "ibv_reg_dmabuf_mr@{REG_DMABUF_MR_VERSION} not resolved"
+            ),
+            Err(e) => skip!("{LIBRARY} not installed ({e})"),
         }
     }
 }

@@ -55,15 +55,29 @@ impl AccessMode for Remote {
 }
 
 /// A registration and the buffer it owns (type-erased, so handles are one thin `Arc`).
-struct MrInner {
-    pd: ProtectionDomain,
-    mr: *mut ibv_mr,
-    addr: *mut u8,
-    len: usize,
-    lkey: u32,
-    rkey: u32,
-    access: u32,
-    buf: UnsafeCell<Option<Box<dyn Any + Send + Sync>>>,
+pub(crate) struct MrInner {
+    pub(crate) pd: ProtectionDomain,
+    pub(crate) mr: *mut ibv_mr,
+    /// First byte: a host pointer when `host`, else the device memory's I/O virtual address.
+    pub(crate) addr: *mut u8,
+    pub(crate) len: usize,
+    pub(crate) lkey: u32,
+    pub(crate) rkey: u32,
+    pub(crate) access: u32,
+    /// Whether `addr..addr+len` is host memory the CPU may copy through (false for DMA-BUF
+    /// registrations of device memory).
+    pub(crate) host: bool,
+    /// The buffer (or a device-memory owner): dropped only after `ibv_dereg_mr`.
+    pub(crate) buf: UnsafeCell<Option<Box<dyn Any + Send + Sync>>>,
+}
+
+static DEREGISTRATIONS: AtomicU64 = AtomicU64::new(0);
+
+/// How many memory regions this process deregistered successfully (for tests that check an
+/// owner is released only after its registration).
+#[doc(hidden)]
+pub fn deregistrations() -> u64 {
+    DEREGISTRATIONS.load(Ordering::SeqCst)
 }
 
 // SAFETY: `buf` is only touched through `&mut`/unique ownership (`into_inner`) or through
@@ -74,23 +88,36 @@ unsafe impl Send for MrInner {}
 unsafe impl Sync for MrInner {}
 
 impl MrInner {
-    fn dereg(&mut self) {
-        if !self.mr.is_null() {
-            // SAFETY: `mr` came from ibv_reg_mr and is deregistered exactly once; no work
-            // request can still use it (each holds an Arc to this struct).
-            let rc = unsafe { (self.pd.inner.ctx.inner.v.dereg_mr)(self.mr) };
-            if rc != 0 {
-                record_drop_failure("ibv_dereg_mr", rc);
-            }
-            self.mr = std::ptr::null_mut();
+    /// Deregisters (once); `false` if `ibv_dereg_mr` failed, in which case the device may
+    /// still reach the memory.
+    pub(crate) fn dereg(&mut self) -> bool {
+        if self.mr.is_null() {
+            return true;
+        }
+        // SAFETY: `mr` came from ibv_reg_mr/ibv_reg_dmabuf_mr and is deregistered exactly
+        // once; no work request can still use it (each holds an Arc to this struct).
+        let rc = unsafe { (self.pd.inner.ctx.inner.v.dereg_mr)(self.mr) };
+        self.mr = std::ptr::null_mut();
+        if rc != 0 {
+            record_drop_failure("ibv_dereg_mr", rc);
+            false
+        } else {
+            DEREGISTRATIONS.fetch_add(1, Ordering::SeqCst);
+            true
         }
     }
 }
 
 impl Drop for MrInner {
     fn drop(&mut self) {
-        // Deregister first: only then may the buffer (dropped after this) be freed.
-        self.dereg();
+        // Deregister first: only then may the buffer (or device-memory owner, dropped after
+        // this as the `buf` field) be freed. If deregistration failed, the device may still
+        // reach the memory: leak it rather than free it.
+        if !self.dereg() {
+            if let Some(b) = self.buf.get_mut().take() {
+                std::mem::forget(b);
+            }
+        }
     }
 }
 
@@ -131,6 +158,7 @@ fn register_raw<B: RegionBuffer>(
         lkey,
         rkey,
         access,
+        host: true,
         buf: UnsafeCell::new(Some(boxed)),
     }))
 }
@@ -213,7 +241,7 @@ impl ProtectionDomain {
     }
 }
 
-fn range_of(r: impl RangeBounds<usize>, len: usize) -> Result<(usize, usize)> {
+pub(crate) fn range_of(r: impl RangeBounds<usize>, len: usize) -> Result<(usize, usize)> {
     let start = match r.start_bound() {
         Bound::Included(&s) => s,
         Bound::Excluded(&s) => s.saturating_add(1),
@@ -590,10 +618,10 @@ impl RemoteMemory {
 /// device may be using them); it copies in and out with atomic accesses.
 #[derive(Clone)]
 pub struct MrSlice {
-    owner: Arc<MrInner>,
-    addr: u64,
-    len: u32,
-    lkey: u32,
+    pub(crate) owner: Arc<MrInner>,
+    pub(crate) addr: u64,
+    pub(crate) len: u32,
+    pub(crate) lkey: u32,
 }
 
 impl std::fmt::Debug for MrSlice {
@@ -663,8 +691,9 @@ impl MrSlice {
     /// # Errors
     /// [`Error::OutOfBounds`].
     pub fn read_into(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.host_mapped()?;
         let (off, _) = range_of(offset..offset.saturating_add(dst.len()), self.len as usize)?;
-        // SAFETY: in bounds of a live registration (kept alive by `owner`).
+        // SAFETY: in bounds of a live host registration (kept alive by `owner`).
         unsafe { copy_out((self.addr as *mut u8).add(off), dst) };
         Ok(())
     }
@@ -674,17 +703,40 @@ impl MrSlice {
     /// # Errors
     /// [`Error::OutOfBounds`].
     pub fn write_from(&self, offset: usize, src: &[u8]) -> Result<()> {
+        self.host_mapped()?;
         let (off, _) = range_of(offset..offset.saturating_add(src.len()), self.len as usize)?;
-        // SAFETY: in bounds of a live registration (kept alive by `owner`).
+        // SAFETY: in bounds of a live host registration (kept alive by `owner`).
         unsafe { copy_in((self.addr as *mut u8).add(off), src) };
         Ok(())
     }
 
     /// A copy of the bytes.
-    pub fn to_vec(&self) -> Vec<u8> {
+    ///
+    /// # Errors
+    /// [`Error::InvalidRequest`] for device memory ([`is_host_memory`](Self::is_host_memory)
+    /// is false).
+    pub fn to_vec(&self) -> Result<Vec<u8>> {
+        self.host_mapped()?;
         let mut v = vec![0u8; self.len as usize];
-        self.read_into(0, &mut v).expect("whole range is in bounds");
-        v
+        self.read_into(0, &mut v)?;
+        Ok(v)
+    }
+
+    /// Whether the bytes are host memory the CPU can copy in and out (false for a range of
+    /// a [`DeviceMemoryRegion`](crate::DeviceMemoryRegion)).
+    pub fn is_host_memory(&self) -> bool {
+        self.owner.host
+    }
+
+    #[inline]
+    fn host_mapped(&self) -> Result<()> {
+        if self.owner.host {
+            Ok(())
+        } else {
+            Err(Error::InvalidRequest(
+                "device memory (a DMA-BUF registration) has no host mapping to copy through",
+            ))
+        }
     }
 
     /// Atomically reads the 8-byte word at `offset` (8-aligned).
@@ -692,6 +744,7 @@ impl MrSlice {
     /// # Errors
     /// [`Error::OutOfBounds`], [`Error::InvalidRequest`] when misaligned.
     pub fn read_u64(&self, offset: usize) -> Result<u64> {
+        self.host_mapped()?;
         range_of(offset..offset.saturating_add(8), self.len as usize)?;
         let p = (self.addr as usize + offset) as *mut u64;
         if p as usize % 8 != 0 {

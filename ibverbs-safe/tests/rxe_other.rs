@@ -88,7 +88,7 @@ fn rxe_srq_shared_by_two_qps() {
                 .iter()
                 .position(|q| q.qp_num() == c.qp_num())
                 .expect("completion names its QP");
-            let data = c.take_buf().unwrap().to_vec();
+            let data = c.take_buf().unwrap().to_vec().unwrap();
             seen.push((from, data[..c.byte_len() as usize].to_vec()));
         }
         seen.sort();
@@ -141,7 +141,7 @@ fn rxe_ud_send_through_address_handle_with_grh() {
         assert_eq!(r[0].byte_len(), 40 + 9);
         assert_eq!(r[0].src_qp(), a.qp_num());
         assert_eq!(r[0].wr_id(), 7);
-        let data = r[0].take_buf().unwrap().to_vec();
+        let data = r[0].take_buf().unwrap().to_vec().unwrap();
         assert_eq!(&data[40..49], b"datagram!");
         drop((r, dest));
     }

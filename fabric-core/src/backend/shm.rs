@@ -1017,3 +1017,43 @@ impl Hal for ShmHal {
         Ok(!work)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hello_and_announcement_decoders() {
+        assert_eq!(decode_hello(&hello_bytes(1 << 20)).unwrap(), 1 << 20);
+        assert_eq!(decode_hello(&hello_bytes(0)).unwrap(), 0);
+        assert!(
+            decode_hello(&hello_bytes(3000)).is_err(),
+            "not a power of two"
+        );
+        assert!(decode_hello(&hello_bytes(1 << 40)).is_err(), "too large");
+        assert!(decode_hello(&[0u8; HELLO_LEN]).is_err());
+        assert!(decode_hello(&[0u8; 3]).is_err());
+
+        let mut a = [0u8; ANN_LEN];
+        a[0..4].copy_from_slice(&ANN_MAGIC.to_le_bytes());
+        a[4..8].copy_from_slice(&5u32.to_le_bytes());
+        a[8..16].copy_from_slice(&4096u64.to_le_bytes());
+        a[16..24].copy_from_slice(&77u64.to_le_bytes());
+        a[24..28].copy_from_slice(&(Access::REMOTE_WRITE.bits()).to_le_bytes());
+        a[28..32].copy_from_slice(&ANN_RNDV.to_le_bytes());
+        assert_eq!(
+            decode_announcement(&a).unwrap(),
+            (5, 4096, 77, Access::REMOTE_WRITE, ANN_RNDV)
+        );
+        let mut bad = a;
+        bad[24..28].copy_from_slice(&0xffu32.to_le_bytes());
+        assert!(decode_announcement(&bad).is_err(), "unknown access bits");
+        let mut bad = a;
+        bad[28..32].copy_from_slice(&2u32.to_le_bytes());
+        assert!(decode_announcement(&bad).is_err(), "unknown flags");
+        let mut bad = a;
+        bad[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(decode_announcement(&bad).is_err(), "absurd length");
+        assert!(decode_announcement(&a[..31]).is_err());
+    }
+}

@@ -951,3 +951,59 @@ impl Hal for TcpHal {
         Ok(true)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frame_headers_round_trip_and_reject_garbage() {
+        let mut h = FrameHeader::new(FrameKind::AtomicReq);
+        h.op = 1;
+        h.token = 0x1234_5678_9abc;
+        h.key = 7;
+        h.offset = 64;
+        h.region = 3;
+        h.aux0 = 5;
+        h.aux1 = 6;
+        assert_eq!(decode_header(&h.encode()).unwrap(), h);
+        let mut s = FrameHeader::new(FrameKind::Send);
+        s.len = 1 << 20;
+        assert_eq!(decode_header(&s.encode()).unwrap(), s);
+
+        let mut b = s.encode();
+        b[0] = 99;
+        assert!(matches!(
+            decode_header(&b),
+            Err(DecodeError::Invalid { .. })
+        ));
+        let mut b = h.encode();
+        b[2] = 9; // unknown atomic op
+        assert!(decode_header(&b).is_err());
+        let mut b = h.encode();
+        b[4..8].copy_from_slice(&8u32.to_le_bytes()); // an atomic request with a payload
+        assert!(decode_header(&b).is_err());
+        let mut b = s.encode();
+        b[4..8].copy_from_slice(&u32::MAX.to_le_bytes()); // 4 GiB payload
+        assert!(matches!(
+            decode_header(&b),
+            Err(DecodeError::TooLong { .. })
+        ));
+        assert!(matches!(
+            decode_header(&b[..10]),
+            Err(DecodeError::Truncated { .. })
+        ));
+        // Any bytes: a typed result, never a panic.
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        for _ in 0..10_000 {
+            let mut g = [0u8; FRAME_HEADER];
+            for c in g.chunks_mut(8) {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                c.copy_from_slice(&x.to_le_bytes()[..c.len()]);
+            }
+            let _ = decode_header(&g);
+        }
+    }
+}

@@ -259,7 +259,7 @@ fn expectations() -> Vec<(String, u64)> {
 #[test]
 fn repr_c_layouts_match_verbs_h() {
     if !std::path::Path::new(HEADER).exists() {
-        println!("skipped: libibverbs-dev headers not installed ({HEADER} missing)");
+        skip!("libibverbs-dev headers not installed ({HEADER} missing)");
         return;
     }
     let exp = expectations();
@@ -281,7 +281,7 @@ fn repr_c_layouts_match_verbs_h() {
     let out = match Command::new(&cc).arg(&c_path).arg("-o").arg(&exe).output() {
         Ok(o) => o,
         Err(e) => {
-            println!("skipped: no C compiler ({cc}: {e})");
+            skip!("no C compiler ({cc}: {e})");
             return;
         }
     };

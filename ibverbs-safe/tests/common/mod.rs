@@ -8,6 +8,20 @@ use std::time::Duration;
 
 pub const T: Duration = Duration::from_secs(10);
 
+/// Prints `skipped: <reason>` straight to the process's stdout, so it shows in plain
+/// `cargo test` output (libtest captures `println!` of passing tests).
+pub fn skip(reason: std::fmt::Arguments<'_>) {
+    use std::io::Write as _;
+    let _ = writeln!(std::io::stdout().lock(), "skipped: {reason}");
+}
+
+/// Prints a line past libtest's capture (for results a reader must see, like what a
+/// device refused).
+pub fn note(line: std::fmt::Arguments<'_>) {
+    use std::io::Write as _;
+    let _ = writeln!(std::io::stdout().lock(), "{line}");
+}
+
 /// One device layout to run a test on: two contexts (the same device twice for loopback)
 /// and the GID index to use.
 pub struct Layout {
@@ -28,12 +42,12 @@ pub fn layouts(test: &str) -> Vec<Layout> {
     let devs = match devices() {
         Ok(d) => d,
         Err(e) => {
-            println!("skipped: no RDMA device ({test}: {e})");
+            skip(format_args!("no RDMA device ({test}: {e})"));
             return vec![];
         }
     };
     if devs.is_empty() {
-        println!("skipped: no RDMA device ({test})");
+        skip(format_args!("no RDMA device ({test})"));
         return vec![];
     }
     let gid_override = env_u8("IBV_GID_INDEX");
