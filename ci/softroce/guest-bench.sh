@@ -103,33 +103,8 @@ echo
 echo "=== raw rows"
 cat "$ROWS"
 echo
-echo "=== side by side (median of $ROUNDS rounds; ratio = ours / perftest)"
-awk '
-function med(list,   n, a, i, j, t) {
-  n = split(list, a, " ")
-  for (i = 1; i <= n; i++) for (j = i + 1; j <= n; j++) if (a[j] + 0 < a[i] + 0) { t = a[i]; a[i] = a[j]; a[j] = t }
-  if (n == 0) return ""
-  return (n % 2) ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2
-}
-{
-  t = $2; who = $3
-  for (i = 5; i <= NF; i++) { split($i, kv, "="); v[t, who, kv[1]] = v[t, who, kv[1]] " " kv[2]; if (kv[1] == "bytes") b[t] = kv[2]; if (kv[1] == "iters") it[t] = kv[2] }
-  if (!(t in seen)) { seen[t] = 1; order[++n] = t }
-}
-END {
-  print "| test | bytes | iters | metric | perftest | ours | ours/perftest |"
-  print "| --- | ---: | ---: | --- | ---: | ---: | ---: |"
-  for (k = 1; k <= n; k++) {
-    t = order[k]
-    if (t ~ /_lat$/) { m[1] = "typical"; m[2] = "p99"; u = " µs"; cnt = 2 } else { m[1] = "bw"; u = " MiB/s"; cnt = 1 }
-    for (j = 1; j <= cnt; j++) {
-      th = med(v[t, "perftest", m[j]]); us = med(v[t, "ours", m[j]])
-      r = (th != "" && us != "" && th > 0) ? sprintf("%.3f", us / th) : "n/a"
-      name = (m[j] == "bw") ? "average bandwidth" : (m[j] == "typical" ? "typical latency" : "99th percentile latency")
-      printf "| ib_%s | %s | %s | %s | %s%s | %s%s | %s |\n", t, b[t], it[t], name, th, u, us, u, r
-    }
-  }
-}' "$ROWS"
+echo "=== side by side (median of $ROUNDS rounds; ratio = ours / perftest; paired = median of the per-round ratios)"
+awk -f "$(dirname "$0")/bench-table.awk" "$ROWS"
 rm -f "$ROWS"
 if [ $FAILED -gt 0 ]; then
   echo "$FAILED run(s) FAILED"

@@ -187,10 +187,16 @@ fn raw_round(
 
 /// With `BENCH_SETTLE=1`, wait before each poll so the burst has completed: every poll then
 /// finds work and no spin loop runs, which makes instruction counts (callgrind) exact.
+/// `BENCH_SETTLE=N` waits max(N, 2) ms (under valgrind in the TCG guest, use 20).
 fn settle() {
-    static SETTLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if *SETTLE.get_or_init(|| std::env::var_os("BENCH_SETTLE").is_some()) {
-        std::thread::sleep(Duration::from_millis(2));
+    static SETTLE: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    let ms = SETTLE.get_or_init(|| {
+        std::env::var("BENCH_SETTLE")
+            .ok()
+            .map(|v| v.parse::<u64>().unwrap_or(2).max(2))
+    });
+    if let Some(ms) = *ms {
+        std::thread::sleep(Duration::from_millis(ms));
     }
 }
 

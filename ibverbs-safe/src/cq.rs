@@ -373,32 +373,30 @@ impl Completion {
 
     #[inline]
     fn fill(&mut self, wc: &ibv_wc) {
+        self.wc = *wc;
         if wc.wr_id & 1 == 0 {
             // SAFETY: even wr_ids on queues created by this crate are slot addresses from
             // `WorkQueue::fill` (the raw layer only accepts odd ids); the slot's queue is
             // kept alive by the CQ's `attached` list; `&mut CompletionQueue` makes us the
             // single poller.
-            match unsafe { WorkQueue::complete(wc.wr_id) } {
-                Some((d, kind)) => {
+            let kind = unsafe {
+                WorkQueue::complete_with(wc.wr_id, |d| {
                     self.wr_id = d.user;
                     self.bufs = d.bufs;
-                    self.queue = Some(kind);
                     self.scoped = d.scoped;
-                }
-                None => {
-                    self.wr_id = 0;
-                    self.bufs = SgList::new();
-                    self.queue = None;
-                    self.scoped = false;
-                }
+                })
+            };
+            if kind.is_some() {
+                self.queue = kind;
+                return;
             }
+            self.wr_id = 0;
         } else {
             self.wr_id = wc.wr_id;
-            self.bufs = SgList::new();
-            self.queue = None;
-            self.scoped = false;
         }
-        self.wc = *wc;
+        self.bufs = SgList::new();
+        self.queue = None;
+        self.scoped = false;
     }
 }
 
@@ -468,10 +466,10 @@ impl CompletionQueue {
             if n < 0 {
                 return Err(Error::PollCq(rc_error(n)));
             }
-            let n = n as usize;
-            for (i, wc) in wcs[..n].iter().enumerate() {
+            let n = (n as usize).min(want);
+            for (o, wc) in out[done..done + n].iter_mut().zip(&wcs[..n]) {
                 // SAFETY: the provider initialised the first `n` entries.
-                out[done + i].fill(unsafe { wc.assume_init_ref() });
+                o.fill(unsafe { wc.assume_init_ref() });
             }
             done += n;
             if n < want {

@@ -36,6 +36,7 @@ impl<T> UnsafeCell<T> {
         f(self.0.get())
     }
 }
+use std::mem::MaybeUninit;
 use std::sync::Arc;
 
 /// The most scatter/gather elements one safe work request can carry (use the raw layer for
@@ -43,10 +44,42 @@ use std::sync::Arc;
 pub const MAX_SGE: usize = 4;
 
 /// The buffers of one work request: up to [`MAX_SGE`] [`MrSlice`] handles.
-#[derive(Clone, Default)]
+///
+/// Stored inline (no heap), the first `len` entries initialised: posting and polling move
+/// it and read only what is there.
 pub struct SgList {
-    items: [Option<MrSlice>; MAX_SGE],
+    items: [MaybeUninit<MrSlice>; MAX_SGE],
     len: u8,
+}
+
+impl Default for SgList {
+    #[inline]
+    fn default() -> Self {
+        SgList {
+            items: [const { MaybeUninit::uninit() }; MAX_SGE],
+            len: 0,
+        }
+    }
+}
+
+impl Drop for SgList {
+    #[inline]
+    fn drop(&mut self) {
+        for item in &mut self.items[..self.len as usize] {
+            // SAFETY: the first `len` entries are initialised and dropped exactly once here.
+            unsafe { item.assume_init_drop() };
+        }
+    }
+}
+
+impl Clone for SgList {
+    fn clone(&self) -> Self {
+        let mut l = SgList::new();
+        for s in self.iter() {
+            let _ = l.push(s.clone());
+        }
+        l
+    }
 }
 
 impl std::fmt::Debug for SgList {
@@ -66,21 +99,25 @@ impl SgList {
     ///
     /// # Errors
     /// The slice itself, when [`MAX_SGE`] buffers are already in the list.
+    #[inline]
     pub fn push(&mut self, s: MrSlice) -> Result<(), MrSlice> {
-        if self.len as usize == MAX_SGE {
+        let n = self.len as usize;
+        if n >= MAX_SGE {
             return Err(s);
         }
-        self.items[self.len as usize] = Some(s);
+        self.items[n].write(s);
         self.len += 1;
         Ok(())
     }
 
     /// Number of buffers.
+    #[inline]
     pub fn len(&self) -> usize {
         self.len as usize
     }
 
     /// Whether there is no buffer.
+    #[inline]
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -90,38 +127,46 @@ impl SgList {
         self.iter().map(|s| s.len() as u64).sum()
     }
 
+    /// The buffers, as a slice.
+    #[inline]
+    pub fn as_slice(&self) -> &[MrSlice] {
+        let n = (self.len as usize).min(MAX_SGE);
+        // SAFETY: the first `len` (<= MAX_SGE) entries are initialised; MaybeUninit<T> has
+        // T's layout.
+        unsafe { std::slice::from_raw_parts(self.items.as_ptr().cast::<MrSlice>(), n) }
+    }
+
     /// The buffers.
-    pub fn iter(&self) -> impl Iterator<Item = &MrSlice> {
-        self.items[..self.len as usize]
-            .iter()
-            .filter_map(Option::as_ref)
+    #[inline]
+    pub fn iter(&self) -> std::slice::Iter<'_, MrSlice> {
+        self.as_slice().iter()
     }
 
     /// Writes the scatter/gather elements; returns their number and total length.
     #[inline]
     pub(crate) fn encode(&self, sges: &mut [crate::sys::ibv_sge; MAX_SGE]) -> (usize, u64) {
-        let n = (self.len as usize).min(MAX_SGE);
+        let items = self.as_slice();
         let mut total = 0u64;
-        for (sge, item) in sges.iter_mut().zip(&self.items[..n]) {
-            if let Some(s) = item {
-                *sge = s.sge();
-                total += s.len() as u64;
-            }
+        for (sge, s) in sges.iter_mut().zip(items) {
+            *sge = s.sge();
+            total += s.len() as u64;
         }
-        (n, total)
+        (items.len(), total)
     }
 
     /// The first buffer.
+    #[inline]
     pub fn first(&self) -> Option<&MrSlice> {
-        self.items[0].as_ref()
+        self.as_slice().first()
     }
 
     /// Takes the first buffer, dropping the others.
-    pub fn into_first(mut self) -> Option<MrSlice> {
-        self.items[0].take()
+    pub fn into_first(self) -> Option<MrSlice> {
+        self.into_iter().next()
     }
 
     /// Removes and returns every buffer, leaving the list empty.
+    #[inline]
     pub fn take(&mut self) -> SgList {
         std::mem::take(self)
     }
@@ -131,14 +176,23 @@ impl IntoIterator for SgList {
     type Item = MrSlice;
     type IntoIter = std::iter::Flatten<std::array::IntoIter<Option<MrSlice>, MAX_SGE>>;
     fn into_iter(self) -> Self::IntoIter {
-        self.items.into_iter().flatten()
+        let this = std::mem::ManuallyDrop::new(self);
+        let n = this.len as usize;
+        let mut out: [Option<MrSlice>; MAX_SGE] = Default::default();
+        for (i, o) in out.iter_mut().enumerate().take(n) {
+            // SAFETY: entry `i < len` is initialised; `this` is never dropped, so each entry
+            // is moved out exactly once.
+            *o = Some(unsafe { this.items[i].assume_init_read() });
+        }
+        out.into_iter().flatten()
     }
 }
 
 impl From<MrSlice> for SgList {
+    #[inline]
     fn from(s: MrSlice) -> Self {
         let mut l = SgList::new();
-        l.items[0] = Some(s);
+        l.items[0].write(s);
         l.len = 1;
         l
     }
@@ -177,7 +231,9 @@ pub(crate) struct Slot {
     state: AtomicU8,
     index: u32,
     queue: *const WorkQueue,
-    data: UnsafeCell<Option<SlotData>>,
+    /// Initialised exactly while `state` is POSTED or BUSY (between a producer's fill and
+    /// the take of whoever completes or releases it).
+    data: UnsafeCell<MaybeUninit<SlotData>>,
 }
 
 /// Which queue a completion came from.
@@ -208,6 +264,16 @@ unsafe impl Send for WorkQueue {}
 // SAFETY: as above.
 unsafe impl Sync for WorkQueue {}
 
+impl Drop for WorkQueue {
+    fn drop(&mut self) {
+        // The last reference: whatever is still posted (a QP that was forgotten, not
+        // destroyed, keeps its queue alive, so the device is done with these) is dropped.
+        for slot in self.slots.iter() {
+            drop(Self::take(slot));
+        }
+    }
+}
+
 impl WorkQueue {
     pub(crate) fn new(depth: usize, ordered: bool, kind: QueueKind) -> Arc<WorkQueue> {
         let depth = depth.max(1);
@@ -219,7 +285,7 @@ impl WorkQueue {
                         state: AtomicU8::new(FREE),
                         index: i as u32,
                         queue: q,
-                        data: UnsafeCell::new(None),
+                        data: UnsafeCell::new(MaybeUninit::uninit()),
                     })
                     .collect(),
                 ordered,
@@ -242,24 +308,36 @@ impl WorkQueue {
     #[inline]
     #[allow(clippy::result_large_err)] // hands the caller's data back; no allocation
     pub(crate) fn fill(&self, cursor: &mut usize, data: SlotData) -> Result<u64, SlotData> {
+        if self.ordered {
+            // A ring: only the slot at the cursor can be next.
+            let slot = &self.slots[*cursor];
+            if slot.state.load(Ordering::Acquire) != FREE {
+                return Err(data);
+            }
+            return Ok(Self::put(slot, data));
+        }
         let n = self.slots.len();
-        let tries = if self.ordered { 1 } else { n };
         let mut i = *cursor;
-        for _ in 0..tries {
+        for _ in 0..n {
             let slot = &self.slots[i];
             if slot.state.load(Ordering::Acquire) == FREE {
-                // SAFETY: FREE slots are owned by the single producer (us) and hold `None`
-                // (every taker leaves `None`), so overwriting without dropping is exact; the
-                // Acquire load synchronises with the completer's Release store of FREE.
-                slot.data
-                    .with_mut(|p| unsafe { std::ptr::write(p, Some(data)) });
-                slot.state.store(POSTED, Ordering::Release);
                 *cursor = i;
-                return Ok(slot as *const Slot as u64);
+                return Ok(Self::put(slot, data));
             }
             i = if i + 1 == n { 0 } else { i + 1 };
         }
         Err(data)
+    }
+
+    /// Fills a FREE slot owned by the single producer and publishes it as POSTED.
+    #[inline(always)]
+    fn put(slot: &Slot, data: SlotData) -> u64 {
+        // SAFETY: FREE slots are owned by the single producer (us) and hold no data (every
+        // taker moved it out), so writing without dropping is exact; the caller's Acquire
+        // load of FREE synchronises with the completer's Release store of FREE.
+        slot.data.with_mut(|p| unsafe { (*p).write(data) });
+        slot.state.store(POSTED, Ordering::Release);
+        slot as *const Slot as u64
     }
 
     #[inline]
@@ -284,10 +362,11 @@ impl WorkQueue {
         {
             return None;
         }
-        // SAFETY: the successful CAS made us the slot's only user until we store FREE.
-        let d = slot.data.with_mut(|p| unsafe { (*p).take() });
+        // SAFETY: the successful CAS made us the slot's only user until we store FREE, and a
+        // POSTED slot holds initialised data, which we move out (the slot is FREE after).
+        let d = slot.data.with_mut(|p| unsafe { (*p).assume_init_read() });
         slot.state.store(FREE, Ordering::Release);
-        d
+        Some(d)
     }
 
     /// Retires the slot named by a completion's `wr_id` (and, for rings, the unsignalled
@@ -297,13 +376,36 @@ impl WorkQueue {
     /// `wr_id` must be a value returned by [`fill`](Self::fill) on a queue that is still
     /// allocated (CQs keep the queues attached to them alive), and for ordered queues this
     /// must only be called by the single poller of that queue's CQ.
-    #[inline]
+    #[cfg(test)]
     pub(crate) unsafe fn complete(wr_id: u64) -> Option<(SlotData, QueueKind)> {
+        let mut out = None;
+        // SAFETY: the caller's contract.
+        let kind = unsafe { Self::complete_with(wr_id, |d| out = Some(d)) }?;
+        out.map(|d| (d, kind))
+    }
+
+    /// As [`complete`](Self::complete), handing the slot's data to `f` (which the hot
+    /// path uses to move it straight into a `Completion`, with no intermediate copy).
+    ///
+    /// # Safety
+    /// As [`complete`](Self::complete).
+    #[inline(always)]
+    pub(crate) unsafe fn complete_with(wr_id: u64, f: impl FnOnce(SlotData)) -> Option<QueueKind> {
         // SAFETY: contract: the slot and its queue are alive.
         let slot = unsafe { &*(wr_id as *const Slot) };
         // SAFETY: `queue` points at the WorkQueue owning this slot (set at construction).
         let q = unsafe { &*slot.queue };
-        let d = Self::take(slot)?;
+        if slot
+            .state
+            .compare_exchange(POSTED, BUSY, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            return None;
+        }
+        // SAFETY: the successful CAS made us the slot's only user until we store FREE, and a
+        // POSTED slot holds initialised data, which we move out (the slot is FREE after).
+        f(slot.data.with_mut(|p| unsafe { (*p).assume_init_read() }));
+        slot.state.store(FREE, Ordering::Release);
         if q.ordered {
             let n = q.slots.len();
             let mut i = q.tail.load(Ordering::Relaxed);
@@ -316,7 +418,7 @@ impl WorkQueue {
             q.tail
                 .store(if end + 1 == n { 0 } else { end + 1 }, Ordering::Relaxed);
         }
-        Some((d, q.kind))
+        Some(q.kind)
     }
 
     /// Releases every in-flight slot (after the QP/SRQ was destroyed: the device no longer

@@ -51,6 +51,7 @@ pub struct SendRequest {
 }
 
 impl SendRequest {
+    #[inline]
     fn new(op: Op, bufs: SgList) -> Self {
         SendRequest {
             op,
@@ -61,14 +62,17 @@ impl SendRequest {
         }
     }
     /// SEND `bufs` (consumes a receive at the peer).
+    #[inline]
     pub fn send(bufs: impl Into<SgList>) -> Self {
         Self::new(Op::Send, bufs.into())
     }
     /// RDMA WRITE `bufs` to `remote` (RC/UC). `remote` must be at least as long as `bufs`.
+    #[inline]
     pub fn write(bufs: impl Into<SgList>, remote: RemoteMemory) -> Self {
         Self::new(Op::Write(remote), bufs.into())
     }
     /// RDMA READ `remote` into `bufs` (RC).
+    #[inline]
     pub fn read(bufs: impl Into<SgList>, remote: RemoteMemory) -> Self {
         Self::new(Op::Read(remote), bufs.into())
     }
@@ -95,11 +99,13 @@ impl SendRequest {
     }
     /// Attaches immediate data (SEND and WRITE only; WRITE with immediate consumes a receive
     /// at the peer).
+    #[inline]
     pub fn imm(mut self, imm: u32) -> Self {
         self.imm = Some(imm);
         self
     }
     /// Your id, returned in the completion.
+    #[inline]
     pub fn wr_id(mut self, wr_id: u64) -> Self {
         self.wr_id = wr_id;
         self
@@ -107,22 +113,26 @@ impl SendRequest {
     /// Do not generate a completion on success. The buffers are released (dropped) when a
     /// later signalled work request of the same QP completes, or when the QP is dropped.
     /// Keep a clone of a handle to reuse the memory.
+    #[inline]
     pub fn unsignaled(mut self) -> Self {
         self.flags &= !sys::IBV_SEND_SIGNALED;
         self
     }
     /// Set the solicited-event bit (wakes a peer armed with `req_notify(true)`).
+    #[inline]
     pub fn solicited(mut self) -> Self {
         self.flags |= sys::IBV_SEND_SOLICITED;
         self
     }
     /// Wait for earlier READ/atomics to finish before this one starts.
+    #[inline]
     pub fn fence(mut self) -> Self {
         self.flags |= sys::IBV_SEND_FENCE;
         self
     }
     /// Copy the data into the work request at post time (at most the QP's
     /// `max_inline_data` bytes).
+    #[inline]
     pub fn inline(mut self) -> Self {
         self.flags |= sys::IBV_SEND_INLINE;
         self
@@ -137,6 +147,7 @@ impl SendRequest {
     }
 
     /// Validates against the transport and QP limits and fills `wr`/`sges` (all but wr_id).
+    #[inline]
     pub(super) fn encode<T: Transport>(
         &self,
         max_sge: usize,
@@ -285,6 +296,7 @@ impl SendRequest {
         }
     }
 
+    #[inline]
     fn ah(&self) -> Option<AddressHandle> {
         match &self.op {
             Op::SendTo(d) => Some(d.ah.clone()),
@@ -293,6 +305,7 @@ impl SendRequest {
     }
 }
 
+#[inline]
 pub(super) fn blank_wr() -> ibv_send_wr {
     ibv_send_wr {
         wr_id: 0,

@@ -1,0 +1,48 @@
+# bench-table.awk — turns guest-bench.sh's ROW lines into the side-by-side table.
+#   ROW <test> <perftest|ours> <round> bytes=N iters=N (typical=µs p99=µs | bw=MiB/s)
+# A non-positive figure (perftest occasionally prints 0.00 under TCG) counts as no result.
+# Columns: medians over the rounds of each program, their ratio, and the median over the
+# rounds of the per-round ratio ("paired": theirs and ours ran back to back, so slow
+# phases of the emulated machine tend to hit both).
+function med(list,   n, a, i, j, t) {
+  n = split(list, a, " ")
+  for (i = 1; i <= n; i++) for (j = i + 1; j <= n; j++) if (a[j] + 0 < a[i] + 0) { t = a[i]; a[i] = a[j]; a[j] = t }
+  if (n == 0) return ""
+  return (n % 2) ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2
+}
+$1 == "ROW" {
+  t = $2; who = $3; r = $4
+  for (i = 5; i <= NF; i++) {
+    split($i, kv, "=")
+    if (kv[1] == "bytes") { b[t] = kv[2]; continue }
+    if (kv[1] == "iters") { it[t] = kv[2]; continue }
+    if (kv[2] + 0 <= 0) continue
+    v[t, who, kv[1]] = v[t, who, kv[1]] " " kv[2]
+    per[t, who, kv[1], r] = kv[2]
+    rounds[t, r] = 1
+  }
+  if (!(t in seen)) { seen[t] = 1; order[++n] = t }
+}
+END {
+  print "| test | bytes | iters | metric | perftest | ours | ours/perftest | paired |"
+  print "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |"
+  for (k = 1; k <= n; k++) {
+    t = order[k]
+    if (t ~ /_lat$/) { m[1] = "typical"; m[2] = "p99"; u = " µs"; cnt = 2 } else { m[1] = "bw"; u = " MiB/s"; cnt = 1 }
+    for (j = 1; j <= cnt; j++) {
+      th = med(v[t, "perftest", m[j]]); us = med(v[t, "ours", m[j]])
+      r = (th != "" && us != "") ? sprintf("%.3f", us / th) : "n/a"
+      pl = ""
+      for (key in rounds) {
+        split(key, kk, SUBSEP)
+        if (kk[1] != t) continue
+        a = per[t, "perftest", m[j], kk[2]]; o = per[t, "ours", m[j], kk[2]]
+        if (a != "" && o != "") pl = pl " " (o / a)
+      }
+      p = med(pl)
+      p = (p == "") ? "n/a" : sprintf("%.3f", p)
+      name = (m[j] == "bw") ? "average bandwidth" : (m[j] == "typical" ? "typical latency" : "99th percentile latency")
+      printf "| ib_%s | %s | %s | %s | %s%s | %s%s | %s | %s |\n", t, b[t], it[t], name, th, u, us, u, r, p
+    }
+  }
+}
