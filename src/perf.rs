@@ -129,15 +129,12 @@ impl Peer {
 
     /// Like [`next_completion`](Self::next_completion) but sleeps on the wait fd after a
     /// few microseconds: for waits that take long anyway (large transfers), so the waiting
-    /// process does not compete for a core with the one doing the copying.
+    /// process does not compete with the one doing the copying (for a core, or for an SMT
+    /// core's execution units when pinned to its sibling).
     ///
     /// # Errors
     /// As [`next_completion`](Self::next_completion).
     pub fn next_patient(&mut self) -> fabric_core::Result<Completion> {
-        if PINNED.load(std::sync::atomic::Ordering::Relaxed) {
-            // On its own core the waiter takes nothing from the copier: keep polling.
-            return self.next_with_spin(self.spin);
-        }
         self.next_with_spin(Duration::from_micros(5))
     }
 
