@@ -504,15 +504,14 @@ impl TcpHal {
                 _keep: keep,
             });
         }
-        // A hostile peer can "answer" an operation still queued here (tokens are guessable),
-        // which completes it early; such an operation has nothing left to send.
-        let token = loop {
+        // A queued operation cannot be finished behind our back (peers' responses only
+        // match operations already sent), but stay total: skip anything not live.
+        let (token, p) = loop {
             let token = t.submit_pop()?;
-            if t.get(token).is_some() {
-                break token;
+            if let Some(p) = t.get(token) {
+                break (token, p);
             }
         };
-        let p = t.get(token).expect("checked live just above");
         let len = p.buf.len();
         let (mut h, payload, plen, awaits) = match p.desc {
             OpDesc::Send => (
@@ -596,7 +595,10 @@ impl TcpHal {
                 moved = true;
             }
             if let Some((token, awaits)) = f.token {
-                if !awaits {
+                if awaits {
+                    // Only now may the peer's response match it.
+                    t.mark_awaiting(token);
+                } else {
                     t.complete(token, Status::Success, f.len, 0);
                 }
             }
@@ -746,7 +748,9 @@ impl TcpHal {
                     return Ok(false);
                 };
                 t.recv_pop();
-                let p = t.get(tok).expect("live recv");
+                let Some(p) = t.get(tok) else {
+                    return proto("receive queue names a finished receive");
+                };
                 if len > p.buf.len() {
                     t.complete(tok, Status::MessageTooLong, len, 0);
                     self.rx = Rx::Payload {
@@ -835,20 +839,22 @@ impl TcpHal {
                     src: None,
                 });
             }
+            // Responses are matched only against operations sent in full and waiting
+            // (`Tracker::awaiting`): tokens are guessable, and a response naming a queued
+            // or half-sent operation must not complete it (its buffer is still in use).
             FrameKind::WriteAck => {
                 let tok = Token(h.token);
-                match t.get(tok).map(|p| p.desc) {
-                    Some(OpDesc::Write { .. }) => {
-                        let n = t.get(tok).map_or(0, |p| p.buf.len());
+                match t.awaiting(tok).map(|p| (p.desc, p.buf.len())) {
+                    Some((OpDesc::Write { .. }, n)) => {
                         t.complete(tok, code_status(h.status), n, 0);
                     }
-                    _ => return proto("write ack for no write"),
+                    _ => return proto("write ack for no write awaiting one"),
                 }
             }
             FrameKind::ReadResp => {
                 let tok = Token(h.token);
-                let Some(p) = t.get(tok) else {
-                    return proto("read response for no read");
+                let Some(p) = t.awaiting(tok) else {
+                    return proto("read response for no read awaiting one");
                 };
                 if !matches!(p.desc, OpDesc::Read { .. }) {
                     return proto("read response for no read");
@@ -872,7 +878,7 @@ impl TcpHal {
             }
             FrameKind::AtomicResp => {
                 let tok = Token(h.token);
-                match t.get(tok) {
+                match t.awaiting(tok) {
                     Some(p) if matches!(p.desc, OpDesc::Atomic { .. }) => {
                         if h.status == 0 {
                             let _ = p.buf.copy_from(&h.aux0.to_ne_bytes());
