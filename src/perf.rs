@@ -564,6 +564,66 @@ pub fn print_row(r: &Row) {
     );
 }
 
+/// The command-line options every perf example shares: how it finds its peer
+/// (`#[command(flatten)]` them into the example's own options).
+#[derive(clap::Args, Debug, Clone)]
+pub struct PeerArgs {
+    /// Wait for one peer on the bootstrap address (cross-machine run).
+    #[arg(long, conflicts_with = "connect")]
+    pub server: bool,
+    /// Connect to a `--server` at HOST:PORT (cross-machine run).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub connect: Option<String>,
+    /// Bootstrap address `--server` binds.
+    #[arg(long, default_value = "0.0.0.0:18515")]
+    pub bind: String,
+    /// Transport: shm, tcp or verbs (default: automatic; env FABRIC_TRANSPORT).
+    #[arg(long)]
+    pub transport: Option<fabric_core::TransportKind>,
+    /// Shared secret both sides must present (env FABRIC_SECRET).
+    #[arg(long)]
+    pub secret: Option<String>,
+    /// Do not pin this process and its spawned peer to two different CPUs.
+    #[arg(long)]
+    pub no_pin: bool,
+    /// Internal: run as the responder spawned by a no-argument run.
+    #[arg(long, hide = true, value_name = "ADDRESS")]
+    pub responder: Option<String>,
+    /// Internal: the CPU the spawned responder pins itself to.
+    #[arg(long, hide = true)]
+    pub pin_cpu: Option<usize>,
+}
+
+/// Runs an example named `name` whose largest message is `max` bytes: finds the peer the
+/// way `peer` says (environment overrides included), runs `measure` as the initiator or
+/// serves as the responder, and exits the process with status 1 and the error on failure.
+pub fn main_with(
+    name: &'static str,
+    peer: &PeerArgs,
+    max: usize,
+    measure: impl FnOnce(Box<dyn Transport>) -> Result<(), Box<dyn std::error::Error>>,
+) {
+    let mut setup = Setup {
+        name,
+        server: peer.server,
+        connect: peer.connect.clone(),
+        bind: peer.bind.clone(),
+        transport: peer.transport,
+        secret: peer.secret.clone(),
+        responder: peer.responder.clone(),
+        max,
+        pin: !peer.no_pin,
+        pin_cpu: peer.pin_cpu,
+    };
+    let r = apply_env(&mut setup)
+        .map_err(Into::into)
+        .and_then(|()| run_sides(&setup, measure));
+    if let Err(e) = r {
+        eprintln!("{name}: error: {e}");
+        std::process::exit(1);
+    }
+}
+
 /// How an example was asked to find its peer.
 #[derive(Debug, Clone)]
 pub struct Setup {
