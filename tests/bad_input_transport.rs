@@ -276,6 +276,18 @@ fn premature_response(forged_slot: u64) {
     ack[0] = 5; // WriteAck, status success
     ack[8..16].copy_from_slice(&forged_slot.to_le_bytes());
     raw.write_all(&ack).unwrap();
+    // Let the transport see the forged ack while both writes are still unsent (the peer
+    // reads nothing yet: draining first would let slot 0 finish and make the ack timely).
+    let mut seen = std::collections::HashMap::new();
+    let end = Instant::now() + Duration::from_secs(2);
+    while seen.len() < 2 && Instant::now() < end {
+        let n = t.poll(&mut out).unwrap();
+        for c in out.iter_mut().take(n) {
+            assert!(c.buf.take().is_some(), "completion without its buffer");
+            assert!(seen.insert(c.wr_id, c.status).is_none());
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
     // Now it drains everything we send, so the queue could move on.
     let reader = std::thread::spawn(move || {
         let mut sink = vec![0u8; 1 << 20];
@@ -289,7 +301,6 @@ fn premature_response(forged_slot: u64) {
         }
         total
     });
-    let mut seen = std::collections::HashMap::new();
     let end = Instant::now() + Duration::from_secs(30);
     while seen.len() < 2 {
         assert!(Instant::now() < end, "operations never completed: {seen:?}");

@@ -126,8 +126,8 @@ impl FrameHeader {
 /// Decodes a frame header from a peer.
 ///
 /// # Errors
-/// A [`DecodeError`] for a short buffer, an unknown type, status or atomic op, or a
-/// length over [`MAX_FRAME_PAYLOAD`].
+/// A [`DecodeError`] for a short buffer, non-zero reserved bytes (3 and 36..40), an
+/// unknown type, status or atomic op, or a length over [`MAX_FRAME_PAYLOAD`].
 pub fn decode_header(b: &[u8]) -> std::result::Result<FrameHeader, DecodeError> {
     if b.len() < FRAME_HEADER {
         return Err(DecodeError::Truncated {
@@ -156,6 +156,13 @@ pub fn decode_header(b: &[u8]) -> std::result::Result<FrameHeader, DecodeError> 
             })
         }
     };
+    let reserved = [b[3], b[36], b[37], b[38], b[39]];
+    if reserved != [0; 5] {
+        return Err(DecodeError::Invalid {
+            what: "tcp frame header reserved bytes (must be zero)",
+            value: u64::from_le_bytes([0, 0, 0, b[3], b[36], b[37], b[38], b[39]]),
+        });
+    }
     if b[1] > 1 {
         return Err(DecodeError::Invalid {
             what: "tcp frame status",
@@ -983,6 +990,14 @@ mod tests {
             decode_header(&b),
             Err(DecodeError::Invalid { .. })
         ));
+        for i in [3usize, 36, 39] {
+            let mut b = h.encode();
+            b[i] = 1; // reserved
+            assert!(
+                matches!(decode_header(&b), Err(DecodeError::Invalid { .. })),
+                "reserved byte {i} ignored"
+            );
+        }
         let mut b = h.encode();
         b[2] = 9; // unknown atomic op
         assert!(decode_header(&b).is_err());
