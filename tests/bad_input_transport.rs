@@ -135,10 +135,10 @@ fn tcp_connection_refuses_a_4gib_frame() {
     let opts = opts();
     let mut l = backend::listen(TransportKind::Tcp, &opts).unwrap();
     let addr = tcp_addr(l.as_ref());
-    // A raw peer that passes the 16-byte hello ("FBFBTCP1" + 8 bytes), then sends a Send
+    // A raw peer that passes the 32-byte hello ("FBFBTCP1", no flags, a nonce), then sends a Send
     // frame header whose length field says 4 GiB - 1.
     let mut raw = TcpStream::connect(&addr).unwrap();
-    let mut hello = [0u8; 16];
+    let mut hello = [0u8; fabric_core::backend::tcp::HELLO_LEN];
     hello[..8].copy_from_slice(&0x3150_4354_4246_4246u64.to_le_bytes());
     raw.write_all(&hello).unwrap();
     let end = Instant::now() + Duration::from_secs(10);
@@ -233,7 +233,7 @@ fn premature_response(forged_slot: u64) {
     let mut l = backend::listen(TransportKind::Tcp, &opts).unwrap();
     let addr = tcp_addr(l.as_ref());
     let mut raw = TcpStream::connect(&addr).unwrap();
-    let mut hello = [0u8; 16];
+    let mut hello = [0u8; fabric_core::backend::tcp::HELLO_LEN];
     hello[..8].copy_from_slice(&0x3150_4354_4246_4246u64.to_le_bytes());
     raw.write_all(&hello).unwrap();
     let end = Instant::now() + Duration::from_secs(10);
@@ -247,7 +247,7 @@ fn premature_response(forged_slot: u64) {
         );
         std::thread::sleep(Duration::from_millis(1));
     };
-    let mut their_hello = [0u8; 16];
+    let mut their_hello = [0u8; fabric_core::backend::tcp::HELLO_LEN];
     raw.read_exact(&mut their_hello).unwrap();
     // Keys only have to pass the local checks.
     let key = |len| fabric_core::RemoteKey {
@@ -338,4 +338,76 @@ fn tcp_premature_response_for_a_queued_op() {
 #[test]
 fn tcp_premature_response_for_a_half_sent_op() {
     premature_response(0);
+}
+
+fn connect_with(l: &mut dyn Listener, opts: &Options) -> fabric_core::Result<Box<dyn Transport>> {
+    let mut c = backend::connect(l.address(), opts)?;
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(t) = c.poll_connect()? {
+            return Ok(t);
+        }
+        assert!(
+            l.accept().expect("listener").is_none(),
+            "a peer without the secret was accepted"
+        );
+        assert!(
+            Instant::now() < end,
+            "the handshake neither failed nor finished"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// The tcp listener with a shared secret (challenge-response, off by default): a wrong
+/// secret, no secret, and a raw peer that only knows the hello are refused with typed
+/// errors; a peer with the right secret is served.
+#[test]
+fn tcp_listener_with_a_shared_secret_refuses_strangers() {
+    let secret = |s: &[u8]| Options {
+        tcp_secret: Some(s.to_vec()),
+        ..opts()
+    };
+    let server = secret(b"correct horse");
+    let mut l = backend::listen(TransportKind::Tcp, &server).unwrap();
+
+    let e = connect_with(l.as_mut(), &secret(b"wrong horse")).unwrap_err();
+    println!("wrong secret: {e}");
+    assert!(
+        matches!(&e, fabric_core::Error::Protocol(m) if m.contains("wrong secret")),
+        "{e}"
+    );
+    let e = connect_with(l.as_mut(), &opts()).unwrap_err();
+    println!("no secret: {e}");
+    assert!(e.to_string().contains("requires a shared secret"), "{e}");
+    // A raw peer that sends a plain hello and waits: dropped, never accepted.
+    let mut raw = TcpStream::connect(tcp_addr(l.as_ref())).unwrap();
+    let mut hello = [0u8; fabric_core::backend::tcp::HELLO_LEN];
+    hello[..8].copy_from_slice(&0x3150_4354_4246_4246u64.to_le_bytes());
+    raw.write_all(&hello).unwrap();
+    for _ in 0..50 {
+        assert!(
+            l.accept().expect("listener").is_none(),
+            "a stranger was accepted"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    // The right secret works, and so does the connection.
+    let mut c = backend::connect(l.address(), &server).unwrap();
+    let (mut a, mut b) = (None, None);
+    let end = Instant::now() + Duration::from_secs(20);
+    while a.is_none() || b.is_none() {
+        assert!(
+            Instant::now() < end,
+            "the peer with the secret was not served"
+        );
+        if a.is_none() {
+            a = l.accept().unwrap();
+        }
+        if b.is_none() {
+            b = c.poll_connect().unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    works(a.unwrap().as_mut(), b.unwrap().as_mut());
 }

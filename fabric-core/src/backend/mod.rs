@@ -81,6 +81,12 @@ pub struct Options {
     pub tcp_bind: String,
     /// Handshake deadline.
     pub handshake_timeout: Duration,
+    /// Shared secret the tcp transport's peers must prove (challenge-response, as the
+    /// bootstrap's); `None` (the default) admits any fabric tcp peer. [`pair`] sets it
+    /// from the bootstrap secret.
+    ///
+    /// [`pair`]: crate::bootstrap::pair
+    pub tcp_secret: Option<Vec<u8>>,
 }
 
 impl Default for Options {
@@ -93,6 +99,7 @@ impl Default for Options {
             max_message: 1 << 30,
             tcp_bind: "127.0.0.1:0".into(),
             handshake_timeout: Duration::from_secs(10),
+            tcp_secret: None,
         }
     }
 }

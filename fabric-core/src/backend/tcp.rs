@@ -9,6 +9,12 @@
 //! [`Status::RemoteAccess`] completion at the initiator. Responses echo the initiator's
 //! slot token, which the tracker validates (a forged or stale token is a protocol error).
 //!
+//! Connection setup: each side sends a 32-byte hello (magic, flags, nonce, decoded by the
+//! pure [`decode_hello`]). With [`Options::tcp_secret`] set (off by default; `pair` uses
+//! the bootstrap's secret) each side then proves the secret by answering the other's nonce
+//! (the bootstrap's challenge response, bound to its role); a peer without it, or with
+//! another, is dropped before it gets a connection.
+//!
 //! Backpressure: the owed-response queue is bounded; when it is full, or when a message
 //! arrives with no receive posted, the backend stops reading the socket and TCP flow
 //! control pushes back on the peer.
@@ -21,6 +27,8 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::time::Instant;
 
 use super::{next_conn_id, BackendEntry, Connector, Endpoint, Hal, Listener, Options};
+use crate::bootstrap::auth;
+use crate::bootstrap::wire::{MAC_LEN, NONCE_LEN};
 use crate::error::{DecodeError, Error, Result};
 use crate::region::{Access, Region};
 use crate::sys;
@@ -38,14 +46,21 @@ pub static ENTRY: BackendEntry = BackendEntry {
 };
 
 const HELLO_MAGIC: u64 = 0x3150_4354_4246_4246; // "FBFBTCP1"
-const HELLO_LEN: usize = 16;
+/// Bytes of the hello each side sends first: magic `u64`, flags `u32` (bit 0: this side
+/// requires the shared secret), reserved `u32` (zero), a 16-byte random nonce.
+pub const HELLO_LEN: usize = 32;
+/// Hello flag: the sender holds a shared secret and requires the peer to prove it.
+pub const HELLO_SECRET: u32 = 1;
+/// Bytes of the proof each side sends after the hellos when a secret is in use: the
+/// bootstrap's challenge response to the peer's nonce, bound to the sender's role
+/// (listener 0, connector 1) so a proof cannot be reflected back.
+pub const PROOF_LEN: usize = MAC_LEN;
 /// Bytes of a frame header.
 pub const FRAME_HEADER: usize = 56;
 /// Largest payload a frame may announce.
 pub const MAX_FRAME_PAYLOAD: u64 = 1 << 30;
 const STAGING: usize = 256 << 10;
 const DIRECT_MIN: usize = 16 << 10;
-
 /// Frame types.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FrameKind {
@@ -207,10 +222,45 @@ pub fn decode_header(b: &[u8]) -> std::result::Result<FrameHeader, DecodeError> 
     })
 }
 
-fn hello() -> [u8; HELLO_LEN] {
-    let mut b = [0u8; HELLO_LEN];
-    b[..8].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
-    b
+/// Decodes a peer's tcp hello: `(flags, nonce)`.
+///
+/// # Errors
+/// A [`DecodeError`] for a short buffer, a wrong magic, unknown flags or non-zero
+/// reserved bytes.
+pub fn decode_hello(b: &[u8]) -> std::result::Result<(u32, [u8; NONCE_LEN]), DecodeError> {
+    if b.len() < HELLO_LEN {
+        return Err(DecodeError::Truncated {
+            what: "tcp hello",
+            need: HELLO_LEN,
+            got: b.len(),
+        });
+    }
+    let mut m = [0u8; 8];
+    m.copy_from_slice(&b[..8]);
+    let magic = u64::from_le_bytes(m);
+    if magic != HELLO_MAGIC {
+        return Err(DecodeError::BadMagic {
+            what: "tcp hello",
+            found: magic,
+        });
+    }
+    let flags = u32::from_le_bytes([b[8], b[9], b[10], b[11]]);
+    if flags & !HELLO_SECRET != 0 {
+        return Err(DecodeError::Invalid {
+            what: "tcp hello flags",
+            value: flags as u64,
+        });
+    }
+    let reserved = u32::from_le_bytes([b[12], b[13], b[14], b[15]]);
+    if reserved != 0 {
+        return Err(DecodeError::Invalid {
+            what: "tcp hello reserved bytes (must be zero)",
+            value: reserved as u64,
+        });
+    }
+    let mut nonce = [0u8; NONCE_LEN];
+    nonce.copy_from_slice(&b[16..16 + NONCE_LEN]);
+    Ok((flags, nonce))
 }
 
 fn setup(s: &TcpStream) -> Result<()> {
@@ -221,38 +271,118 @@ fn setup(s: &TcpStream) -> Result<()> {
     Ok(())
 }
 
-/// Non-blocking exchange of the 16-byte hello: `Ok(true)` once the peer's arrived.
-fn hello_step(
-    s: &TcpStream,
-    sent: &mut bool,
-    got: &mut [u8; HELLO_LEN],
-    n: &mut usize,
-) -> Result<bool> {
-    use std::io::{Read, Write};
-    if !*sent {
-        match (&*s).write(&hello()) {
-            Ok(HELLO_LEN) => *sent = true,
-            Ok(_) => return Err(Error::Protocol("short tcp hello write".into())),
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
-            Err(e) => return Err(Error::io("tcp hello write", e)),
-        }
+/// The non-blocking connection handshake: hellos both ways, then — when a shared secret
+/// is in use — each side proves it by answering the other's nonce.
+#[derive(Debug)]
+struct Hello {
+    secret: Option<Vec<u8>>,
+    /// 0 listener, 1 connector (bound into the proofs).
+    role: u32,
+    nonce: [u8; NONCE_LEN],
+    out: [u8; HELLO_LEN + PROOF_LEN],
+    out_len: usize,
+    out_sent: usize,
+    got: [u8; HELLO_LEN + PROOF_LEN],
+    need: usize,
+    n: usize,
+    peer_checked: bool,
+}
+
+impl Hello {
+    fn new(secret: Option<Vec<u8>>, role: u32) -> Result<Self> {
+        let mut nonce = [0u8; NONCE_LEN];
+        sys::random_bytes(&mut nonce)?;
+        let mut out = [0u8; HELLO_LEN + PROOF_LEN];
+        out[..8].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
+        let flags = if secret.is_some() { HELLO_SECRET } else { 0 };
+        out[8..12].copy_from_slice(&flags.to_le_bytes());
+        out[16..16 + NONCE_LEN].copy_from_slice(&nonce);
+        Ok(Hello {
+            secret,
+            role,
+            nonce,
+            out,
+            out_len: HELLO_LEN,
+            out_sent: 0,
+            got: [0; HELLO_LEN + PROOF_LEN],
+            need: HELLO_LEN,
+            n: 0,
+            peer_checked: false,
+        })
     }
-    while *n < HELLO_LEN {
-        match (&*s).read(&mut got[*n..]) {
-            Ok(0) => {
-                return Err(Error::Disconnected(
-                    "peer closed during the tcp hello".into(),
-                ))
+
+    /// Moves the handshake on: `Ok(true)` once complete (and the peer proved the secret
+    /// when one is in use).
+    fn step(&mut self, s: &TcpStream) -> Result<bool> {
+        use std::io::{Read, Write};
+        loop {
+            while self.out_sent < self.out_len {
+                match (&*s).write(&self.out[self.out_sent..self.out_len]) {
+                    Ok(k) => self.out_sent += k,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(Error::io("tcp hello write", e)),
+                }
             }
-            Ok(k) => *n += k,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
-            Err(e) => return Err(Error::io("tcp hello read", e)),
+            while self.n < self.need {
+                match (&*s).read(&mut self.got[self.n..self.need]) {
+                    Ok(0) => {
+                        return Err(Error::Disconnected(
+                            "peer closed during the tcp hello".into(),
+                        ))
+                    }
+                    Ok(k) => {
+                        self.n += k;
+                        // Refuse a stranger as soon as its first 8 bytes are in.
+                        if self.n >= 8 && self.got[..8] != HELLO_MAGIC.to_le_bytes() {
+                            return Err(Error::Protocol(
+                                "not a fabric tcp peer (bad hello)".into(),
+                            ));
+                        }
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(Error::io("tcp hello read", e)),
+                }
+            }
+            if self.n == HELLO_LEN && !self.peer_checked {
+                self.peer_checked = true;
+                let (flags, peer_nonce) = decode_hello(&self.got[..HELLO_LEN])
+                    .map_err(|e| Error::Protocol(format!("not a fabric tcp peer: {e}")))?;
+                let peer_secret = flags & HELLO_SECRET != 0;
+                match (&self.secret, peer_secret) {
+                    (None, false) => return Ok(true),
+                    (None, true) => {
+                        return Err(Error::Protocol(
+                            "the tcp peer requires a shared secret (none configured here)".into(),
+                        ))
+                    }
+                    (Some(_), false) => {
+                        return Err(Error::Protocol(
+                            "the tcp peer offers no shared secret".into(),
+                        ))
+                    }
+                    (Some(sec), true) => {
+                        let proof = auth::response(sec, &peer_nonce, self.role);
+                        self.out[HELLO_LEN..].copy_from_slice(&proof);
+                        self.out_len = HELLO_LEN + PROOF_LEN;
+                        self.need = HELLO_LEN + PROOF_LEN;
+                        continue;
+                    }
+                }
+            }
+            let Some(sec) = &self.secret else {
+                return Ok(true);
+            };
+            let want = auth::response(sec, &self.nonce, 1 - self.role);
+            if !auth::ct_eq(&want, &self.got[HELLO_LEN..]) {
+                return Err(Error::Protocol(
+                    "tcp peer failed the shared-secret check (wrong secret)".into(),
+                ));
+            }
+            return Ok(true);
         }
     }
-    if got[..8] != HELLO_MAGIC.to_le_bytes() {
-        return Err(Error::Protocol("not a fabric tcp peer (bad hello)".into()));
-    }
-    Ok(true)
 }
 
 /// A TCP listener (binds `Options::tcp_bind`, loopback by default).
@@ -261,7 +391,7 @@ pub struct TcpListenerT {
     sock: TcpListener,
     address: String,
     opts: Options,
-    pending: Vec<(TcpStream, bool, [u8; HELLO_LEN], usize, Instant)>,
+    pending: Vec<(TcpStream, Hello, Instant)>,
 }
 
 impl TcpListenerT {
@@ -296,7 +426,8 @@ impl Listener for TcpListenerT {
                 Ok((s, _)) => {
                     if setup(&s).is_ok() {
                         let end = Instant::now() + self.opts.handshake_timeout;
-                        self.pending.push((s, false, [0; HELLO_LEN], 0, end));
+                        let h = Hello::new(self.opts.tcp_secret.clone(), 0)?;
+                        self.pending.push((s, h, end));
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
@@ -306,8 +437,8 @@ impl Listener for TcpListenerT {
         }
         let mut i = 0;
         while i < self.pending.len() {
-            let (s, sent, got, n, end) = &mut self.pending[i];
-            match hello_step(s, sent, got, n) {
+            let (s, h, end) = &mut self.pending[i];
+            match h.step(s) {
                 Ok(true) => {
                     let (s, ..) = self.pending.swap_remove(i);
                     return Ok(Some(finish(s, &self.opts)?));
@@ -328,9 +459,7 @@ impl Listener for TcpListenerT {
 pub struct TcpConnector {
     s: TcpStream,
     connected: bool,
-    sent: bool,
-    got: [u8; HELLO_LEN],
-    n: usize,
+    hello: Hello,
     end: Instant,
     opts: Options,
 }
@@ -352,9 +481,7 @@ impl TcpConnector {
         Ok(TcpConnector {
             s,
             connected: false,
-            sent: false,
-            got: [0; HELLO_LEN],
-            n: 0,
+            hello: Hello::new(opts.tcp_secret.clone(), 1)?,
             end: Instant::now() + opts.handshake_timeout,
             opts: opts.clone(),
         })
@@ -373,7 +500,7 @@ impl Connector for TcpConnector {
             self.connected = true;
             setup(&self.s)?;
         }
-        if !hello_step(&self.s, &mut self.sent, &mut self.got, &mut self.n)? {
+        if !self.hello.step(&self.s)? {
             return Ok(None);
         }
         let s = self.s.try_clone().map_err(|e| Error::io("dup", e))?;
@@ -968,6 +1095,22 @@ impl Hal for TcpHal {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hellos_decode_and_reject_garbage() {
+        let h = Hello::new(Some(b"s".to_vec()), 0).unwrap();
+        let (flags, nonce) = decode_hello(&h.out[..HELLO_LEN]).unwrap();
+        assert_eq!((flags, nonce), (HELLO_SECRET, h.nonce));
+        for (i, v) in [(0usize, 0u8), (8, 2), (12, 1)] {
+            let mut b = h.out;
+            b[i] = v;
+            assert!(
+                decode_hello(&b[..HELLO_LEN]).is_err(),
+                "byte {i} = {v} accepted"
+            );
+        }
+        assert!(decode_hello(&h.out[..HELLO_LEN - 1]).is_err());
+    }
 
     #[test]
     fn frame_headers_round_trip_and_reject_garbage() {

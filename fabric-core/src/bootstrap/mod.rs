@@ -571,6 +571,9 @@ pub fn pair(
     match role {
         Role::Server { bind } => {
             let mut opts = opts.clone();
+            if let Some(s) = secret {
+                opts.tcp_secret = Some(s.to_vec());
+            }
             let loopback = is_loopback_bind(bind);
             let ip = if loopback { "127.0.0.1" } else { "0.0.0.0" };
             opts.tcp_bind = format!("{ip}:0");
@@ -626,7 +629,11 @@ pub fn pair(
                 .map(|a| a.ip().to_string())
                 .unwrap_or_else(|| "127.0.0.1".into());
             let addr = resolve_wildcard(&addr, &server_ip);
-            let mut c = backend::connect(&addr, opts)?;
+            let mut opts = opts.clone();
+            if let Some(s) = secret {
+                opts.tcp_secret = Some(s.to_vec());
+            }
+            let mut c = backend::connect(&addr, &opts)?;
             backend::connect_timeout(c.as_mut(), timeout)
         }
     }
