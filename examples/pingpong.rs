@@ -13,28 +13,15 @@ use std::io::IsTerminal;
 use std::time::Duration;
 
 use clap::Parser;
-use fabric::perf::{self, Initiator, Peer, Row, Setup};
-use fabric_core::{Transport, TransportKind};
+use fabric::perf::{self, Initiator, Peer, PeerArgs, Row};
+use fabric_core::Transport;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 #[derive(Parser, Debug)]
 #[command(about = "Ping-pong latency / bandwidth over fabric-core (perftest-style table)")]
 struct Args {
-    /// Wait for one peer on the bootstrap address (cross-machine run).
-    #[arg(long, conflicts_with = "connect")]
-    server: bool,
-    /// Connect to a `--server` at HOST:PORT (cross-machine run).
-    #[arg(long, value_name = "HOST:PORT")]
-    connect: Option<String>,
-    /// Bootstrap address `--server` binds.
-    #[arg(long, default_value = "0.0.0.0:18515")]
-    bind: String,
-    /// Transport: shm, tcp or verbs (default: automatic; env FABRIC_TRANSPORT).
-    #[arg(long)]
-    transport: Option<TransportKind>,
-    /// Shared secret both sides must present (env FABRIC_SECRET).
-    #[arg(long)]
-    secret: Option<String>,
+    #[command(flatten)]
+    peer: PeerArgs,
     /// Smallest message size in bytes.
     #[arg(long, default_value_t = 8)]
     min_size: usize,
@@ -47,38 +34,12 @@ struct Args {
     /// Skip the bandwidth column.
     #[arg(long)]
     no_bw: bool,
-    /// Do not pin this process and its spawned peer to two different CPUs.
-    #[arg(long)]
-    no_pin: bool,
-    /// Internal: run as the responder spawned by a no-argument run.
-    #[arg(long, hide = true, value_name = "ADDRESS")]
-    responder: Option<String>,
-    /// Internal: the CPU the spawned responder pins itself to.
-    #[arg(long, hide = true)]
-    pin_cpu: Option<usize>,
 }
 
 fn main() {
     let args = Args::parse();
-    let mut setup = Setup {
-        name: "pingpong",
-        server: args.server,
-        connect: args.connect.clone(),
-        bind: args.bind.clone(),
-        transport: args.transport,
-        secret: args.secret.clone(),
-        responder: args.responder.clone(),
-        max: args.max_size.max(args.min_size),
-        pin: !args.no_pin,
-        pin_cpu: args.pin_cpu,
-    };
-    let r = perf::apply_env(&mut setup)
-        .map_err(Into::into)
-        .and_then(|()| perf::run_sides(&setup, |conn| measure(&args, conn)));
-    if let Err(e) = r {
-        eprintln!("pingpong: error: {e}");
-        std::process::exit(1);
-    }
+    let max = args.max_size.max(args.min_size);
+    perf::main_with("pingpong", &args.peer, max, |conn| measure(&args, conn));
 }
 
 fn measure(args: &Args, conn: Box<dyn Transport>) -> Result<(), Box<dyn std::error::Error>> {

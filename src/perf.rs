@@ -129,15 +129,12 @@ impl Peer {
 
     /// Like [`next_completion`](Self::next_completion) but sleeps on the wait fd after a
     /// few microseconds: for waits that take long anyway (large transfers), so the waiting
-    /// process does not compete for a core with the one doing the copying.
+    /// process does not compete with the one doing the copying (for a core, or for an SMT
+    /// core's execution units when pinned to its sibling).
     ///
     /// # Errors
     /// As [`next_completion`](Self::next_completion).
     pub fn next_patient(&mut self) -> fabric_core::Result<Completion> {
-        if PINNED.load(std::sync::atomic::Ordering::Relaxed) {
-            // On its own core the waiter takes nothing from the copier: keep polling.
-            return self.next_with_spin(self.spin);
-        }
         self.next_with_spin(Duration::from_micros(5))
     }
 
@@ -565,6 +562,66 @@ pub fn print_row(r: &Row) {
         "{:>10} {:>8} {:>14.2} {:>12.2} {:>14}",
         r.size, r.iters, r.lat_typical_us, r.lat_p99_us, bw
     );
+}
+
+/// The command-line options every perf example shares: how it finds its peer
+/// (`#[command(flatten)]` them into the example's own options).
+#[derive(clap::Args, Debug, Clone)]
+pub struct PeerArgs {
+    /// Wait for one peer on the bootstrap address (cross-machine run).
+    #[arg(long, conflicts_with = "connect")]
+    pub server: bool,
+    /// Connect to a `--server` at HOST:PORT (cross-machine run).
+    #[arg(long, value_name = "HOST:PORT")]
+    pub connect: Option<String>,
+    /// Bootstrap address `--server` binds.
+    #[arg(long, default_value = "0.0.0.0:18515")]
+    pub bind: String,
+    /// Transport: shm, tcp or verbs (default: automatic; env FABRIC_TRANSPORT).
+    #[arg(long)]
+    pub transport: Option<fabric_core::TransportKind>,
+    /// Shared secret both sides must present (env FABRIC_SECRET).
+    #[arg(long)]
+    pub secret: Option<String>,
+    /// Do not pin this process and its spawned peer to two different CPUs.
+    #[arg(long)]
+    pub no_pin: bool,
+    /// Internal: run as the responder spawned by a no-argument run.
+    #[arg(long, hide = true, value_name = "ADDRESS")]
+    pub responder: Option<String>,
+    /// Internal: the CPU the spawned responder pins itself to.
+    #[arg(long, hide = true)]
+    pub pin_cpu: Option<usize>,
+}
+
+/// Runs an example named `name` whose largest message is `max` bytes: finds the peer the
+/// way `peer` says (environment overrides included), runs `measure` as the initiator or
+/// serves as the responder, and exits the process with status 1 and the error on failure.
+pub fn main_with(
+    name: &'static str,
+    peer: &PeerArgs,
+    max: usize,
+    measure: impl FnOnce(Box<dyn Transport>) -> Result<(), Box<dyn std::error::Error>>,
+) {
+    let mut setup = Setup {
+        name,
+        server: peer.server,
+        connect: peer.connect.clone(),
+        bind: peer.bind.clone(),
+        transport: peer.transport,
+        secret: peer.secret.clone(),
+        responder: peer.responder.clone(),
+        max,
+        pin: !peer.no_pin,
+        pin_cpu: peer.pin_cpu,
+    };
+    let r = apply_env(&mut setup)
+        .map_err(Into::into)
+        .and_then(|()| run_sides(&setup, measure));
+    if let Err(e) = r {
+        eprintln!("{name}: error: {e}");
+        std::process::exit(1);
+    }
 }
 
 /// How an example was asked to find its peer.

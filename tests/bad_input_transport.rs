@@ -219,13 +219,13 @@ fn shm_listener_survives_bad_peers() {
     drop(silent);
 }
 
-/// A hostile tcp peer answers an operation that is still queued (not yet sent): tokens are
-/// predictable (slot index | generation << 32), so it can send a WriteAck for a write that
-/// waits behind a large send the peer refuses to read. The connection must survive that
-/// with typed outcomes — every buffer back exactly once, no panic when the queued write's
-/// turn comes.
-#[test]
-fn tcp_premature_response_for_a_queued_op() {
+/// A hostile tcp peer answers an operation it has not been sent: tokens are predictable
+/// (slot index | generation << 32), so it can send a WriteAck for the write that is half
+/// written (slot 0, stuck because the peer does not read) or for one still queued behind
+/// it (slot 1). Responses are only accepted for operations sent in full: the forged ack
+/// is a protocol error that fails the connection cleanly — no success completion for a
+/// write that never happened, every buffer back exactly once, no panic.
+fn premature_response(forged_slot: u64) {
     let opts = Options {
         max_message: 64 << 20,
         ..opts()
@@ -249,31 +249,46 @@ fn tcp_premature_response_for_a_queued_op() {
     };
     let mut their_hello = [0u8; 16];
     raw.read_exact(&mut their_hello).unwrap();
-    // Slot 0: a send far larger than the socket buffers (the raw peer does not read yet).
-    let big = t.register(32 << 20, Access::empty()).unwrap();
-    t.post_send(big.full(), 1).map_err(|e| e.error).unwrap();
-    // Slot 1: a write, queued behind it. Its key only has to pass the local checks.
-    let src = t.register(64, Access::empty()).unwrap();
-    let key = fabric_core::RemoteKey {
+    // Keys only have to pass the local checks.
+    let key = |len| fabric_core::RemoteKey {
         transport: TransportKind::Tcp,
         region: 0,
         access: (Access::REMOTE_WRITE | Access::LOCAL_WRITE).bits(),
-        len: 4096,
+        len,
         key: 0x1234,
         addr: 0,
         rkey: 0,
     };
-    t.post_write(src.slice(0, 64).unwrap(), &key, 0, 2)
+    // Slot 0: a write far larger than the socket buffers (the raw peer does not read yet).
+    let big = t.register(32 << 20, Access::empty()).unwrap();
+    t.post_write(big.full(), &key(32 << 20), 0, 1)
+        .map_err(|e| e.error)
+        .unwrap();
+    // Slot 1: a write queued behind it.
+    let src = t.register(64, Access::empty()).unwrap();
+    t.post_write(src.slice(0, 64).unwrap(), &key(4096), 0, 2)
         .map_err(|e| e.error)
         .unwrap();
     let mut out: Vec<Completion> = (0..4).map(|_| Completion::default()).collect();
     assert_eq!(t.poll(&mut out).unwrap(), 0);
-    // The peer acknowledges the write it never received (token of slot 1, generation 0).
+    // The peer acknowledges a write it never received (generation 0).
     let mut ack = [0u8; fabric_core::backend::tcp::FRAME_HEADER];
-    ack[0] = 5; // WriteAck
-    ack[8..16].copy_from_slice(&1u64.to_le_bytes());
+    ack[0] = 5; // WriteAck, status success
+    ack[8..16].copy_from_slice(&forged_slot.to_le_bytes());
     raw.write_all(&ack).unwrap();
-    // Now it drains everything we send, so the big send finishes and the write's turn comes.
+    // Let the transport see the forged ack while both writes are still unsent (the peer
+    // reads nothing yet: draining first would let slot 0 finish and make the ack timely).
+    let mut seen = std::collections::HashMap::new();
+    let end = Instant::now() + Duration::from_secs(2);
+    while seen.len() < 2 && Instant::now() < end {
+        let n = t.poll(&mut out).unwrap();
+        for c in out.iter_mut().take(n) {
+            assert!(c.buf.take().is_some(), "completion without its buffer");
+            assert!(seen.insert(c.wr_id, c.status).is_none());
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // Now it drains everything we send, so the queue could move on.
     let reader = std::thread::spawn(move || {
         let mut sink = vec![0u8; 1 << 20];
         let mut total = 0usize;
@@ -286,7 +301,6 @@ fn tcp_premature_response_for_a_queued_op() {
         }
         total
     });
-    let mut seen = std::collections::HashMap::new();
     let end = Instant::now() + Duration::from_secs(30);
     while seen.len() < 2 {
         assert!(Instant::now() < end, "operations never completed: {seen:?}");
@@ -301,7 +315,27 @@ fn tcp_premature_response_for_a_queued_op() {
         }
         std::thread::sleep(Duration::from_millis(1));
     }
+    println!("forged ack for slot {forged_slot}: completions {seen:?}");
+    // The forged ack completed nothing: both writes fail with the protocol error.
+    assert_eq!(seen[&1], Status::ProtocolError, "{seen:?}");
+    assert_eq!(seen[&2], Status::ProtocolError, "{seen:?}");
     assert_eq!(t.in_flight(), 0);
+    let e = t.post_recv(src.slice(0, 8).unwrap(), 3).unwrap_err();
+    assert!(
+        matches!(e.error, fabric_core::Error::Disconnected(_)),
+        "{}",
+        e.error
+    );
     drop(t);
     let _ = reader.join();
+}
+
+#[test]
+fn tcp_premature_response_for_a_queued_op() {
+    premature_response(1);
+}
+
+#[test]
+fn tcp_premature_response_for_a_half_sent_op() {
+    premature_response(0);
 }

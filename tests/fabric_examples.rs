@@ -14,7 +14,9 @@ fn example(name: &str) -> Option<PathBuf> {
 
 fn run(name: &str, args: &[&str], env: &[(&str, &str)]) -> Option<String> {
     let Some(path) = example(name) else {
-        println!("skipped: example binary {name} not built next to this test");
+        skip(format_args!(
+            "example binary {name} not built next to this test"
+        ));
         return None;
     };
     let mut cmd = Command::new(path);
@@ -105,7 +107,7 @@ fn fabric_info_reports_without_panicking() {
 #[test]
 fn pingpong_over_verbs_when_available() {
     if let Err(e) = (fabric_core::backend::verbs::ENTRY.probe)() {
-        println!("skipped: pingpong_over_verbs_when_available: {e}");
+        skip(format_args!("pingpong_over_verbs_when_available: {e}"));
         return;
     }
     let Some(out) = run(
@@ -120,5 +122,14 @@ fn pingpong_over_verbs_when_available() {
         rows(&out).last().map(|r| r[0].as_str()),
         Some("65536"),
         "{out}"
+    );
+}
+
+/// Says why a test did not run, past libtest's output capture, so `cargo test` shows it.
+fn skip(why: std::fmt::Arguments<'_>) {
+    let test = std::thread::current().name().unwrap_or("?").to_owned();
+    let _ = std::io::Write::write_fmt(
+        &mut std::io::stdout(),
+        format_args!("skipped: {why} [{test}]\n"),
     );
 }

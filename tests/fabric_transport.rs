@@ -401,7 +401,7 @@ fn verbs_usable(test: &str) -> bool {
     match (backend::verbs::ENTRY.probe)() {
         Ok(()) => true,
         Err(e) => {
-            println!("skipped: {test}: {e}");
+            skip(format_args!("{test}: {e}"));
             false
         }
     }
@@ -436,4 +436,13 @@ fn verbs_error_semantics() {
     assert!(matches!(e.error, Error::Disconnected(_)), "{e}");
     child.kill().unwrap();
     child.wait().unwrap();
+}
+
+/// Says why a test did not run, past libtest's output capture, so `cargo test` shows it.
+fn skip(why: std::fmt::Arguments<'_>) {
+    let test = std::thread::current().name().unwrap_or("?").to_owned();
+    let _ = std::io::Write::write_fmt(
+        &mut std::io::stdout(),
+        format_args!("skipped: {why} [{test}]\n"),
+    );
 }

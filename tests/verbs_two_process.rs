@@ -57,11 +57,11 @@ fn configurations(test: &str) -> Option<Vec<Ends>> {
     let devs = match ibverbs_safe::devices() {
         Ok(d) if !d.is_empty() => d,
         Ok(_) => {
-            println!("skipped: no RDMA device ({test})");
+            skip(format_args!("no RDMA device ({test})"));
             return None;
         }
         Err(err) => {
-            println!("skipped: no RDMA device ({test}: {err})");
+            skip(format_args!("no RDMA device ({test}: {err})"));
             return None;
         }
     };
@@ -561,4 +561,13 @@ fn peer_death(ends: &Ends) -> R<String> {
         STREAM.retry_time(),
         statuses.len() - 1
     ))
+}
+
+/// Says why a test did not run, past libtest's output capture, so `cargo test` shows it.
+fn skip(why: std::fmt::Arguments<'_>) {
+    let test = std::thread::current().name().unwrap_or("?").to_owned();
+    let _ = std::io::Write::write_fmt(
+        &mut std::io::stdout(),
+        format_args!("skipped: {why} [{test}]\n"),
+    );
 }

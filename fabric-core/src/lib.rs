@@ -26,6 +26,32 @@
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! # Design
+//!
+//! * **One small trait.** [`Transport`] is one connection: register memory (owned
+//!   [`Region`]s, handed to operations as owned [`Buf`] slices and returned by their
+//!   [`Completion`]), two-sided send/recv, one-sided write/read against a packable
+//!   [`RemoteKey`], CAS/FAA atomics, `poll` into a caller slice, a wait fd + `arm` for
+//!   sleeping, typed backpressure ([`Error::WouldBlock`]) and [`Capabilities`]. It is object
+//!   safe: the examples hold `Box<dyn Transport>`. Listening and connecting are
+//!   non-blocking ([`backend::Listener::accept`], [`backend::Connector::poll_connect`]).
+//! * **Validation once.** [`tracker::Tracker`] is the I/O-free core every backend shares:
+//!   ownership, bounds, access and size checks, a pre-allocated in-flight slot table with
+//!   generation-checked tokens (safe to send to a peer and get back), bounded queues, and
+//!   "fail everything in flight" when a connection dies — each posted buffer comes back
+//!   exactly once. Backends (`backend/*.rs`) only move bytes; a new one is a file exporting a
+//!   [`backend::BackendEntry`] plus one line in [`backend::BACKENDS`].
+//! * **shm** ([`backend::shm`]): sealed `memfd` channel with two lock-free SPSC
+//!   [`ring`]s (the `sync` shim swaps in loom under `--cfg fabric_loom`), fds over
+//!   `SCM_RIGHTS` on an abstract Unix socket, peer uid checked; rendezvous (one copy) from
+//!   2 KiB; one-sided ops are copies/atomics on the peer's mapping.
+//!   **tcp** ([`backend::tcp`]): framed, non-blocking, one-sided ops emulated.
+//!   **verbs** ([`backend::verbs`]): RC queue pairs on `ibverbs-safe`.
+//! * **Bootstrap** ([`bootstrap`]): versioned, length-limited TCP rendezvous (all-gather of
+//!   endpoint blobs among N ranks), launcher detection, optional shared secret, transport
+//!   selection, and [`bootstrap::pair`] for two-party runs. Every decoder of peer bytes is a
+//!   pure `decode(&[u8]) -> Result<_, DecodeError>` function.
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 

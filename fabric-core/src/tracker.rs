@@ -92,6 +92,9 @@ pub struct Pending {
     len: usize,
     value: u64,
     done: bool,
+    /// Handed to the wire in full and waiting for the peer's response (one-sided ops of
+    /// backends whose peer answers them; see [`Tracker::mark_awaiting`]).
+    awaiting: bool,
 }
 
 #[derive(Debug)]
@@ -171,6 +174,7 @@ impl Tracker {
             len: 0,
             value: 0,
             done: false,
+            awaiting: false,
         });
         self.live += 1;
         // Capacity equals the slot count, so these never reallocate.
@@ -286,6 +290,46 @@ impl Tracker {
             return None;
         }
         slot.op.as_mut().filter(|p| !p.done)
+    }
+
+    /// [`get`](Self::get) as a typed error: a backend's token that does not name a live
+    /// operation is a [`Error::Protocol`] failing the connection, never a panic.
+    ///
+    /// # Errors
+    /// [`Error::Protocol`] naming `what` for an unknown, stale or finished token.
+    pub fn live(&self, token: Token, what: &'static str) -> Result<&Pending, Error> {
+        self.get(token)
+            .ok_or_else(|| Error::Protocol(format!("{what}: no live operation")))
+    }
+
+    /// [`get_mut`](Self::get_mut) as a typed error (see [`live`](Self::live)).
+    ///
+    /// # Errors
+    /// [`Error::Protocol`] naming `what` for an unknown, stale or finished token.
+    pub fn live_mut(&mut self, token: Token, what: &'static str) -> Result<&mut Pending, Error> {
+        self.get_mut(token)
+            .ok_or_else(|| Error::Protocol(format!("{what}: no live operation")))
+    }
+
+    /// Records that the operation behind `token` was sent to the peer in full and now
+    /// waits for its response. Only such operations can be matched by a peer's response
+    /// ([`awaiting`](Self::awaiting)): a response naming a queued or half-sent operation
+    /// is a protocol error, never a completion. Returns `false` for an unknown, stale or
+    /// finished token.
+    pub fn mark_awaiting(&mut self, token: Token) -> bool {
+        match self.get_mut(token) {
+            Some(p) => {
+                p.awaiting = true;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The live operation behind `token` if it is waiting for the peer's response (see
+    /// [`mark_awaiting`](Self::mark_awaiting)); `None` for anything a peer must not answer.
+    pub fn awaiting(&self, token: Token) -> Option<&Pending> {
+        self.get(token).filter(|p| p.awaiting)
     }
 
     /// Finishes the operation behind `token`. Returns `false` for an unknown, stale or
@@ -483,6 +527,28 @@ mod tests {
         assert!(!t.complete(a, Status::Success, 8, 0), "stale token refused");
         assert!(!t.complete(Token(u64::MAX), Status::Success, 8, 0));
         t.post(OpDesc::Send, r.slice(16, 8).unwrap(), 12).unwrap();
+    }
+
+    #[test]
+    fn only_operations_sent_in_full_accept_responses() {
+        let mut t = Tracker::new(1, TransportKind::Tcp, caps(4));
+        let r = region(&mut t, 64, Access::REMOTE_WRITE);
+        let key = r.remote_key().unwrap();
+        let w = t
+            .post(OpDesc::Write { key, off: 0 }, r.slice(0, 8).unwrap(), 1)
+            .unwrap();
+        assert!(
+            t.awaiting(w).is_none(),
+            "a queued op must not be answerable"
+        );
+        assert!(t.awaiting(Token(u64::MAX)).is_none());
+        assert!(t.live(Token(u64::MAX), "test").is_err());
+        assert_eq!(t.submit_pop(), Some(w));
+        assert!(t.mark_awaiting(w));
+        assert!(t.awaiting(w).is_some());
+        assert!(t.complete(w, Status::Success, 8, 0));
+        assert!(t.awaiting(w).is_none(), "answered once only");
+        assert!(!t.mark_awaiting(w));
     }
 
     /// Deterministic simulation: random posts, completions (including forged and

@@ -292,7 +292,8 @@ impl RemoteKey {
     /// Parses a packed key.
     ///
     /// # Errors
-    /// A [`DecodeError`] for a wrong length, magic, version, transport or access bits.
+    /// A [`DecodeError`] for a wrong length, magic, version, non-zero reserved bytes,
+    /// transport or access bits.
     pub fn decode(b: &[u8]) -> std::result::Result<Self, DecodeError> {
         const W: &str = "remote key";
         if b.len() < Self::PACKED_LEN {
@@ -326,6 +327,13 @@ impl RemoteKey {
                 what: W,
                 found: b[4] as u32,
                 expected: RKEY_VERSION as u32,
+            });
+        }
+        let reserved = u16::from_le_bytes([b[6], b[7]]);
+        if reserved != 0 {
+            return Err(DecodeError::Invalid {
+                what: "remote key reserved bytes (must be zero)",
+                value: reserved as u64,
             });
         }
         let transport = TransportKind::from_code(b[5]).ok_or(DecodeError::Invalid {
@@ -468,5 +476,32 @@ pub trait Transport: Send + fmt::Debug {
             crate::sys::poll_readable(self.wait_fd(), timeout)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn remote_key_round_trips_and_refuses_reserved_bytes() {
+        let k = RemoteKey {
+            transport: TransportKind::Tcp,
+            region: 3,
+            access: Access::REMOTE_WRITE.bits(),
+            len: 4096,
+            key: 0xfeed,
+            addr: 0,
+            rkey: 0,
+        };
+        assert_eq!(RemoteKey::decode(&k.pack()), Ok(k));
+        for i in [6usize, 7] {
+            let mut b = k.pack();
+            b[i] = 1;
+            assert!(
+                matches!(RemoteKey::decode(&b), Err(DecodeError::Invalid { .. })),
+                "reserved byte {i} ignored"
+            );
+        }
     }
 }

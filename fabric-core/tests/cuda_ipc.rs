@@ -21,9 +21,9 @@ fn gpu_present() -> bool {
         panic!("NVLINK_P2P_REQUIRE_GPU=1 but: {e}");
     }
     if e.to_string().contains("no CUDA device") {
-        println!("skipped: no CUDA device");
+        skip(format_args!("no CUDA device"));
     } else {
-        println!("skipped: no CUDA driver");
+        skip(format_args!("no CUDA driver"));
     }
     false
 }
@@ -32,7 +32,7 @@ fn gpu_present() -> bool {
 fn without_a_driver_everything_is_unavailable() {
     let probe = (backend::entry(TransportKind::CudaIpc).unwrap().probe)();
     if probe.is_ok() {
-        println!("skipped: a CUDA driver and GPU are present");
+        skip(format_args!("a CUDA driver and GPU are present"));
         return;
     }
     let check = |e: Error| match e {
@@ -331,7 +331,9 @@ fn protocol_over_the_stand_in_driver() {
         return;
     }
     let Some(dir) = stand_in_dir() else {
-        println!("skipped: cannot build the stand-in driver (no C compiler `cc`)");
+        skip(format_args!(
+            "cannot build the stand-in driver (no C compiler `cc`)"
+        ));
         return;
     };
     let status = Command::new(std::env::current_exe().unwrap())
@@ -348,4 +350,13 @@ fn protocol_over_the_stand_in_driver() {
         .unwrap();
     let _ = std::fs::remove_dir_all(&dir);
     assert!(status.success(), "stand-in run failed: {status}");
+}
+
+/// Says why a test did not run, past libtest's output capture, so `cargo test` shows it.
+fn skip(why: std::fmt::Arguments<'_>) {
+    let test = std::thread::current().name().unwrap_or("?").to_owned();
+    let _ = std::io::Write::write_fmt(
+        &mut std::io::stdout(),
+        format_args!("skipped: {why} [{test}]\n"),
+    );
 }

@@ -11,7 +11,9 @@ use nvlink_p2p::{Cuda, DriverVersion, Error};
 /// Runs `test` in a child with the stand-in driver and `envs`; true if it ran.
 fn run_with(stub: Stub, test: &str, envs: &[(&str, &str)]) -> bool {
     let Some(dir) = stand_in(stub) else {
-        println!("skipped: cannot build the stand-in driver (no C compiler `cc`, or no writable temp dir)");
+        skip(format_args!(
+            "cannot build the stand-in driver (no C compiler `cc`, or no writable temp dir)"
+        ));
         return false;
     };
     let mut all = vec![("LD_LIBRARY_PATH", dir.to_str().unwrap())];
@@ -392,5 +394,14 @@ fn plumbing_missing_features_are_typed() {
         Stub::Host,
         "plumbing_missing_features_are_typed",
         &[("FAKE_CUDA_NO_VMM", "1")],
+    );
+}
+
+/// Says why a test did not run, past libtest's output capture, so `cargo test` shows it.
+fn skip(why: std::fmt::Arguments<'_>) {
+    let test = std::thread::current().name().unwrap_or("?").to_owned();
+    let _ = std::io::Write::write_fmt(
+        &mut std::io::stdout(),
+        format_args!("skipped: {why} [{test}]\n"),
     );
 }

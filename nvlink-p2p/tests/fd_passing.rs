@@ -113,8 +113,17 @@ fn pidfd_getfd_takes_a_memfd_from_a_child() {
     match result {
         Ok(fd) => assert_eq!(contents(&fd), b"held by child"),
         Err(Error::Unsupported { reason, .. }) => {
-            println!("skipped: pidfd_getfd not allowed here: {reason}")
+            skip(format_args!("pidfd_getfd not allowed here: {reason}"))
         }
         Err(e) => panic!("unexpected error {e}"),
     }
+}
+
+/// Says why a test did not run, past libtest's output capture, so `cargo test` shows it.
+fn skip(why: std::fmt::Arguments<'_>) {
+    let test = std::thread::current().name().unwrap_or("?").to_owned();
+    let _ = std::io::Write::write_fmt(
+        &mut std::io::stdout(),
+        format_args!("skipped: {why} [{test}]\n"),
+    );
 }

@@ -22,11 +22,11 @@ fn gpu() -> Option<Cuda> {
         Ok(c) => Some(c),
         Err(e) if required => panic!("NVLINK_P2P_REQUIRE_GPU=1 but: {e}"),
         Err(Error::DriverUnavailable { .. }) => {
-            println!("skipped: no CUDA driver");
+            skip(format_args!("no CUDA driver"));
             None
         }
         Err(Error::NoDevice) => {
-            println!("skipped: no CUDA device");
+            skip(format_args!("no CUDA device"));
             None
         }
         Err(e) => panic!("unexpected error initialising CUDA: {e}"),
@@ -59,11 +59,15 @@ fn suite_over_the_host_stand_in() {
         return; // we are the run below
     }
     if Cuda::init().is_ok() {
-        println!("skipped: a real CUDA driver is present; the suite runs for real");
+        skip(format_args!(
+            "a real CUDA driver is present; the suite runs for real"
+        ));
         return;
     }
     let Some(dir) = stand_in(Stub::Host) else {
-        println!("skipped: cannot build the stand-in driver (no C compiler `cc`)");
+        skip(format_args!(
+            "cannot build the stand-in driver (no C compiler `cc`)"
+        ));
         return;
     };
     let status = std::process::Command::new(std::env::current_exe().unwrap())
@@ -225,7 +229,7 @@ fn stream_ordered_memory_is_refused_for_ipc() {
     let dev = cuda.device(0).unwrap();
     let ctx = dev.context();
     if !ctx.has_async_alloc() {
-        println!("skipped: device has no stream-ordered allocator");
+        skip(format_args!("device has no stream-ordered allocator"));
         return;
     }
     let stream = ctx.default_stream();
@@ -269,7 +273,7 @@ fn vmm_fd_between_processes() {
             | Error::DriverTooOld { .. }
             | Error::MissingSymbol { .. }),
         ) => {
-            println!("skipped: {e}");
+            skip(format_args!("{e}"));
             return;
         }
         Err(e) => panic!("{e}"),
@@ -305,7 +309,7 @@ fn vmm_release_order_does_not_leak() {
         e @ (Error::Unsupported { .. } | Error::DriverTooOld { .. } | Error::MissingSymbol { .. }),
     ) = VmmAllocation::new(&dev, 1)
     {
-        println!("skipped: {e}");
+        skip(format_args!("{e}"));
         return;
     }
     let (free_before, _) = dev.memory_info().unwrap();
@@ -435,7 +439,7 @@ fn dmabuf_export() {
             | Error::DriverTooOld { .. }
             | Error::MissingSymbol { .. }),
         ) => {
-            println!("skipped: DMA-BUF export unavailable here: {e}");
+            skip(format_args!("DMA-BUF export unavailable here: {e}"));
         }
         Err(e) => panic!("{e}"),
         Ok(d) => {
@@ -463,4 +467,13 @@ fn dmabuf_export() {
         DmaBuf::export(&Arc::new(dev.alloc(4096).unwrap()), 4000, 200),
         Err(Error::OutOfBounds { .. })
     ));
+}
+
+/// Says why a test did not run, past libtest's output capture, so `cargo test` shows it.
+fn skip(why: std::fmt::Arguments<'_>) {
+    let test = std::thread::current().name().unwrap_or("?").to_owned();
+    let _ = std::io::Write::write_fmt(
+        &mut std::io::stdout(),
+        format_args!("skipped: {why} [{test}]\n"),
+    );
 }

@@ -18,11 +18,10 @@ fn init_reports_missing_driver_or_no_device() {
             assert!(matches!(Cuda::init(), Err(Error::DriverUnavailable { .. })));
         }
         Err(e @ Error::NoDevice) => assert!(e.to_string().contains("no CUDA device"), "{e}"),
-        Ok(cuda) => println!(
-            "skipped: a CUDA driver {} with {} device(s) is present (the no-driver path is covered by probe_with_missing_library)",
+        Ok(cuda) => skip(format_args!("a CUDA driver {} with {} device(s) is present (the no-driver path is covered by probe_with_missing_library)",
             cuda.driver_version(),
             cuda.device_count()
-        ),
+        )),
         Err(other) => panic!("unexpected error variant: {other:?}"),
     }
 }
@@ -39,7 +38,9 @@ fn probe_with_missing_library() {
 #[test]
 fn out_of_range_device_is_typed() {
     let Ok(cuda) = Cuda::init() else {
-        println!("skipped: no CUDA driver or device (device ordinals need one)");
+        skip(format_args!(
+            "no CUDA driver or device (device ordinals need one)"
+        ));
         return;
     };
     let e = cuda.device(cuda.device_count()).unwrap_err();
@@ -66,4 +67,13 @@ fn hidden_devices_are_no_device() {
         &[("CUDA_VISIBLE_DEVICES", "")],
     );
     expect_success(child, "hidden-devices child");
+}
+
+/// Says why a test did not run, past libtest's output capture, so `cargo test` shows it.
+fn skip(why: std::fmt::Arguments<'_>) {
+    let test = std::thread::current().name().unwrap_or("?").to_owned();
+    let _ = std::io::Write::write_fmt(
+        &mut std::io::stdout(),
+        format_args!("skipped: {why} [{test}]\n"),
+    );
 }

@@ -299,7 +299,9 @@ impl Listener for ShmListener {
                     if n == HELLO_LEN && fds.len() == 1 && decode_hello(&b).is_ok() =>
                 {
                     let h = self.pending.swap_remove(i);
-                    let peer_efd = fds.pop().expect("one fd");
+                    let Some(peer_efd) = fds.pop() else {
+                        return Err(Error::Protocol("shm hello without its descriptor".into()));
+                    };
                     let t = finish(0, h.chan, h.stream, h.efd, peer_efd, &self.opts)?;
                     return Ok(Some(t));
                 }
@@ -370,8 +372,11 @@ impl Connector for ShmConnector {
         if cap == 0 {
             return Err(Error::Protocol("shm hello without a ring size".into()));
         }
-        let peer_efd = fds.pop().expect("two fds");
-        let chan_fd = fds.pop().expect("two fds");
+        let (Some(peer_efd), Some(chan_fd)) = (fds.pop(), fds.pop()) else {
+            return Err(Error::Protocol(
+                "shm hello without its two descriptors".into(),
+            ));
+        };
         let size = sys::check_sealed_size(chan_fd.as_fd())?;
         if size != Channel::size(cap) as u64 {
             return Err(Error::Protocol(format!(
@@ -510,7 +515,7 @@ impl ShmHal {
 
     /// Runs the front submission as far as possible.
     fn submit_one(&mut self, t: &mut Tracker, token: Token) -> Result<Step> {
-        let p = t.get(token).expect("queued token is live");
+        let p = t.live(token, "shm submission")?;
         let desc = p.desc;
         match desc {
             OpDesc::Send if self.rndv > 0 && p.buf.len() >= self.rndv => {
@@ -540,7 +545,7 @@ impl ShmHal {
                         (K_CONT, 0)
                     };
                     let Some(dst) = self.tx.reserve(kind, aux, n) else {
-                        t.get_mut(token).expect("live").progress = done;
+                        t.live_mut(token, "shm send")?.progress = done;
                         return Ok(Step::Blocked(done > started));
                     };
                     // SAFETY: `dst` has `n` writable bytes owned by us until commit; `src` is
@@ -604,7 +609,7 @@ impl ShmHal {
                             }
                             AtomicOp::FetchAdd { add } => a.fetch_add(add, Ordering::SeqCst),
                         };
-                        let p = t.get(token).expect("live");
+                        let p = t.live(token, "shm atomic")?;
                         let _ = p.buf.copy_from(&old.to_ne_bytes());
                         (Status::Success, old)
                     }
@@ -682,7 +687,11 @@ impl ShmHal {
                 "announcement does not match its record".into(),
             ));
         }
-        let fd = fds.pop().expect("one fd");
+        let Some(fd) = fds.pop() else {
+            return Err(Error::Protocol(
+                "announcement without its descriptor".into(),
+            ));
+        };
         let size = sys::check_sealed_size(fd.as_fd())?;
         if size < len {
             return Err(Error::Protocol(
@@ -720,7 +729,7 @@ impl ShmHal {
                             "first record longer than its message".into(),
                         ));
                     }
-                    let p = t.get(token).expect("live recv");
+                    let p = t.live(token, "shm receive")?;
                     if total > p.buf.len() {
                         t.recv_pop();
                         t.complete(token, Status::MessageTooLong, total, 0);
@@ -748,7 +757,7 @@ impl ShmHal {
                     if *got + rec.len > *total {
                         return Err(Error::Protocol("message longer than announced".into()));
                     }
-                    let p = t.get(*token).expect("live recv");
+                    let p = t.live(*token, "shm receive")?;
                     // SAFETY: got + len <= total <= buf.len().
                     self.rx
                         .read_into_raw(&rec, unsafe { p.buf.as_ptr().add(*got) });
@@ -806,7 +815,7 @@ impl ShmHal {
                     };
                     let len = len as usize;
                     t.recv_pop();
-                    let p = t.get(token).expect("live recv");
+                    let p = t.live(token, "shm receive")?;
                     if len > p.buf.len() {
                         t.complete(token, Status::MessageTooLong, len, 0);
                     } else {
@@ -974,7 +983,9 @@ impl Hal for ShmHal {
             }
             while self.rndv_seen < done {
                 self.rndv_seen += 1;
-                let tok = self.rndv_out.pop_front().expect("counted");
+                let Some(tok) = self.rndv_out.pop_front() else {
+                    return Err(Error::Protocol("rendezvous counter out of range".into()));
+                };
                 let n = t.get(tok).map_or(0, |p| p.buf.len());
                 t.complete(tok, Status::Success, n, 0);
                 moved = true;

@@ -126,8 +126,8 @@ impl FrameHeader {
 /// Decodes a frame header from a peer.
 ///
 /// # Errors
-/// A [`DecodeError`] for a short buffer, an unknown type, status or atomic op, or a
-/// length over [`MAX_FRAME_PAYLOAD`].
+/// A [`DecodeError`] for a short buffer, non-zero reserved bytes (3 and 36..40), an
+/// unknown type, status or atomic op, or a length over [`MAX_FRAME_PAYLOAD`].
 pub fn decode_header(b: &[u8]) -> std::result::Result<FrameHeader, DecodeError> {
     if b.len() < FRAME_HEADER {
         return Err(DecodeError::Truncated {
@@ -156,6 +156,13 @@ pub fn decode_header(b: &[u8]) -> std::result::Result<FrameHeader, DecodeError> 
             })
         }
     };
+    let reserved = [b[3], b[36], b[37], b[38], b[39]];
+    if reserved != [0; 5] {
+        return Err(DecodeError::Invalid {
+            what: "tcp frame header reserved bytes (must be zero)",
+            value: u64::from_le_bytes([0, 0, 0, b[3], b[36], b[37], b[38], b[39]]),
+        });
+    }
     if b[1] > 1 {
         return Err(DecodeError::Invalid {
             what: "tcp frame status",
@@ -504,15 +511,14 @@ impl TcpHal {
                 _keep: keep,
             });
         }
-        // A hostile peer can "answer" an operation still queued here (tokens are guessable),
-        // which completes it early; such an operation has nothing left to send.
-        let token = loop {
+        // A queued operation cannot be finished behind our back (peers' responses only
+        // match operations already sent), but stay total: skip anything not live.
+        let (token, p) = loop {
             let token = t.submit_pop()?;
-            if t.get(token).is_some() {
-                break token;
+            if let Some(p) = t.get(token) {
+                break (token, p);
             }
         };
-        let p = t.get(token).expect("checked live just above");
         let len = p.buf.len();
         let (mut h, payload, plen, awaits) = match p.desc {
             OpDesc::Send => (
@@ -596,7 +602,10 @@ impl TcpHal {
                 moved = true;
             }
             if let Some((token, awaits)) = f.token {
-                if !awaits {
+                if awaits {
+                    // Only now may the peer's response match it.
+                    t.mark_awaiting(token);
+                } else {
                     t.complete(token, Status::Success, f.len, 0);
                 }
             }
@@ -746,7 +755,9 @@ impl TcpHal {
                     return Ok(false);
                 };
                 t.recv_pop();
-                let p = t.get(tok).expect("live recv");
+                let Some(p) = t.get(tok) else {
+                    return proto("receive queue names a finished receive");
+                };
                 if len > p.buf.len() {
                     t.complete(tok, Status::MessageTooLong, len, 0);
                     self.rx = Rx::Payload {
@@ -835,20 +846,22 @@ impl TcpHal {
                     src: None,
                 });
             }
+            // Responses are matched only against operations sent in full and waiting
+            // (`Tracker::awaiting`): tokens are guessable, and a response naming a queued
+            // or half-sent operation must not complete it (its buffer is still in use).
             FrameKind::WriteAck => {
                 let tok = Token(h.token);
-                match t.get(tok).map(|p| p.desc) {
-                    Some(OpDesc::Write { .. }) => {
-                        let n = t.get(tok).map_or(0, |p| p.buf.len());
+                match t.awaiting(tok).map(|p| (p.desc, p.buf.len())) {
+                    Some((OpDesc::Write { .. }, n)) => {
                         t.complete(tok, code_status(h.status), n, 0);
                     }
-                    _ => return proto("write ack for no write"),
+                    _ => return proto("write ack for no write awaiting one"),
                 }
             }
             FrameKind::ReadResp => {
                 let tok = Token(h.token);
-                let Some(p) = t.get(tok) else {
-                    return proto("read response for no read");
+                let Some(p) = t.awaiting(tok) else {
+                    return proto("read response for no read awaiting one");
                 };
                 if !matches!(p.desc, OpDesc::Read { .. }) {
                     return proto("read response for no read");
@@ -872,7 +885,7 @@ impl TcpHal {
             }
             FrameKind::AtomicResp => {
                 let tok = Token(h.token);
-                match t.get(tok) {
+                match t.awaiting(tok) {
                     Some(p) if matches!(p.desc, OpDesc::Atomic { .. }) => {
                         if h.status == 0 {
                             let _ = p.buf.copy_from(&h.aux0.to_ne_bytes());
@@ -977,6 +990,14 @@ mod tests {
             decode_header(&b),
             Err(DecodeError::Invalid { .. })
         ));
+        for i in [3usize, 36, 39] {
+            let mut b = h.encode();
+            b[i] = 1; // reserved
+            assert!(
+                matches!(decode_header(&b), Err(DecodeError::Invalid { .. })),
+                "reserved byte {i} ignored"
+            );
+        }
         let mut b = h.encode();
         b[2] = 9; // unknown atomic op
         assert!(decode_header(&b).is_err());

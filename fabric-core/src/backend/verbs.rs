@@ -475,7 +475,7 @@ fn map_status(s: ib::WcStatus) -> Status {
 
 impl VerbsHal {
     fn local(t: &Tracker, token: Token) -> Result<ib::MrSlice> {
-        let p = t.get(token).expect("queued token is live");
+        let p = t.live(token, "verbs submission")?;
         let b = backing_of(p.buf.region())
             .ok_or(Error::Foreign("buffer without a verbs registration"))?;
         b.full
@@ -498,7 +498,7 @@ impl VerbsHal {
         }
         while let Some(token) = t.submit_front() {
             let slice = Self::local(t, token)?;
-            let desc = t.get(token).expect("live").desc;
+            let desc = t.live(token, "verbs submission")?.desc;
             let remote = |key: &crate::RemoteKey, off: u64, len: u64| ib::RemoteMemory {
                 addr: key.addr + off,
                 len,

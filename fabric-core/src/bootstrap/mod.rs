@@ -3,8 +3,9 @@
 //! the usual launchers, and [`pair`] — the two-party setup the examples use, which picks a
 //! transport (same host → shm; RDMA on both → verbs; else tcp; overridable) and connects.
 //!
-//! The server binds loopback unless told otherwise, reads every frame with a per-connection
-//! timeout, refuses malformed, truncated, oversized or unauthenticated peers with a typed
+//! The server binds loopback unless told otherwise, serves connections concurrently on
+//! non-blocking sockets, each with its own deadline, validates each frame header (type,
+//! version, reserved byte, per-type length limit) before buffering its payload, refuses malformed, truncated, oversized or unauthenticated peers with a typed
 //! error (sent back as an `Error` frame when possible) and keeps serving the others.
 
 pub mod auth;
@@ -12,7 +13,7 @@ pub mod launcher;
 pub mod wire;
 
 use std::io::{self, Read, Write};
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 use crate::backend::{self, Options};
@@ -45,9 +46,29 @@ pub fn write_frame(s: &mut TcpStream, t: FrameType, payload: &[u8]) -> Result<()
 /// [`Error::Decode`] for a bad header, [`Error::Io`] for a socket failure or timeout,
 /// [`Error::Bootstrap`] when the peer sent an `Error` frame.
 pub fn read_frame(s: &mut TcpStream) -> Result<(FrameType, Vec<u8>)> {
+    read_frame_of(s, None)
+}
+
+/// Reads one frame that must be of type `want` (or an `Error` frame): the header is
+/// validated — magic, version, reserved byte, type, the type's length limit — before the
+/// payload is allocated, so a peer cannot make us allocate a large frame of a type we do
+/// not expect.
+///
+/// # Errors
+/// As [`read_frame`]; [`Error::Bootstrap`] for a frame of another type.
+pub fn read_frame_expecting(s: &mut TcpStream, want: FrameType) -> Result<Vec<u8>> {
+    read_frame_of(s, Some(want)).map(|(_, p)| p)
+}
+
+fn read_frame_of(s: &mut TcpStream, want: Option<FrameType>) -> Result<(FrameType, Vec<u8>)> {
     let mut h = [0u8; HEADER_LEN];
     s.read_exact(&mut h).map_err(io_err("bootstrap read"))?;
     let (t, len) = wire::decode_header(&h)?;
+    if let Some(want) = want {
+        if t != FrameType::Error {
+            expect(t, want)?;
+        }
+    }
     let mut p = vec![0u8; len];
     s.read_exact(&mut p).map_err(io_err("bootstrap read"))?;
     if t == FrameType::Error {
@@ -108,8 +129,15 @@ impl Server {
     /// Serves until ranks `1..size` have joined; returns the table (rank 0's entry holds
     /// `blob`). Bad peers are refused and do not count.
     ///
+    /// Connections are served concurrently on non-blocking sockets, each with its own
+    /// deadline ([`IO_TIMEOUT`] to complete its hello), so a slow or silent client holds
+    /// up no one. A rank that joined and hangs up before the table is sent frees its slot
+    /// for a well-formed rank. At most [`MAX_PENDING`] handshakes run at once; beyond that
+    /// the oldest is dropped.
+    ///
     /// # Errors
-    /// [`Error::Timeout`] when not everyone joined within `timeout`.
+    /// [`Error::Timeout`] when not everyone joined within `timeout`; [`Error::Bootstrap`]
+    /// when the table cannot be sent to a rank.
     pub fn run(&mut self, blob: &[u8], timeout: Duration) -> Result<Vec<PeerEntry>> {
         let end = Instant::now() + timeout;
         self.listener
@@ -117,29 +145,85 @@ impl Server {
             .map_err(io_err("fcntl(O_NONBLOCK)"))?;
         let n = self.size as usize;
         let mut joined: Vec<Option<(TcpStream, PeerEntry)>> = (0..n).map(|_| None).collect();
-        let mut count = 1;
-        while count < n {
-            let (stream, from) = match self.listener.accept() {
-                Ok(x) => x,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    if Instant::now() > end {
-                        return Err(Error::Timeout("bootstrap: not every rank joined"));
+        let mut pending: Vec<Handshake> = Vec::new();
+        loop {
+            let mut moved = false;
+            // New connections.
+            loop {
+                match self.listener.accept() {
+                    Ok((s, from)) => {
+                        moved = true;
+                        match Handshake::start(s, from, self.secret.is_some()) {
+                            Ok(h) => {
+                                if pending.len() >= MAX_PENDING {
+                                    let old = pending.remove(0);
+                                    self.refuse(old, "too many concurrent handshakes".into());
+                                }
+                                pending.push(h);
+                            }
+                            Err(e) => self.refused.push(format!("{from}: {e}")),
+                        }
                     }
-                    std::thread::sleep(Duration::from_millis(2));
-                    continue;
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(Error::io("bootstrap accept", e)),
                 }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(Error::io("bootstrap accept", e)),
-            };
-            match self.admit(stream, from.ip(), &joined) {
-                Ok((s, entry)) => {
-                    let r = entry.rank as usize;
-                    joined[r] = Some((s, entry));
-                    count += 1;
+            }
+            // Handshakes in progress.
+            let now = Instant::now();
+            let mut i = 0;
+            while i < pending.len() {
+                match pending[i].step() {
+                    Ok(None) if now < pending[i].deadline => i += 1,
+                    Ok(None) => {
+                        let h = pending.swap_remove(i);
+                        self.refuse(h, "timed out before completing its hello".into());
+                    }
+                    Ok(Some(hello)) => {
+                        moved = true;
+                        let h = pending.swap_remove(i);
+                        match self.check(&hello, &h.nonce, &joined) {
+                            Ok(()) => {
+                                let r = hello.rank as usize;
+                                let entry = PeerEntry {
+                                    rank: hello.rank,
+                                    ip: h.from.ip().to_string(),
+                                    blob: hello.blob,
+                                };
+                                joined[r] = Some((h.s, entry));
+                            }
+                            Err(e) => self.refuse(h, e.to_string()),
+                        }
+                    }
+                    Err(e) => {
+                        moved = true;
+                        let h = pending.swap_remove(i);
+                        self.refuse(h, e.to_string());
+                    }
                 }
-                Err(e) => self.refused.push(format!("{from}: {e}")),
+            }
+            // Joined ranks that hung up (or spoke out of turn) give their slot back.
+            for slot in joined.iter_mut().skip(1) {
+                if let Some((s, e)) = slot {
+                    if let Some(why) = gone(s) {
+                        self.refused
+                            .push(format!("rank {} left before the table: {why}", e.rank));
+                        *slot = None;
+                        moved = true;
+                    }
+                }
+            }
+            if joined.iter().skip(1).all(Option::is_some) {
+                break;
+            }
+            if Instant::now() > end {
+                return Err(Error::Timeout("bootstrap: not every rank joined"));
+            }
+            if !moved {
+                std::thread::sleep(Duration::from_millis(1));
             }
         }
+        drop(pending);
         let mut table = vec![PeerEntry {
             rank: 0,
             ip: String::new(),
@@ -148,7 +232,15 @@ impl Server {
         table.extend(joined.iter().skip(1).flatten().map(|(_, e)| e.clone()));
         let payload = wire::encode_table(&table);
         for (s, e) in joined.iter_mut().skip(1).flatten() {
-            if let Err(err) = write_frame(s, FrameType::Table, &payload) {
+            let sent = s
+                .set_nonblocking(false)
+                .map_err(io_err("fcntl"))
+                .and_then(|_| {
+                    s.set_write_timeout(Some(IO_TIMEOUT))
+                        .map_err(io_err("SO_SNDTIMEO"))
+                })
+                .and_then(|_| write_frame(s, FrameType::Table, &payload));
+            if let Err(err) = sent {
                 return Err(Error::Bootstrap(format!(
                     "sending the table to rank {}: {err}",
                     e.rank
@@ -158,62 +250,158 @@ impl Server {
         Ok(table)
     }
 
-    fn admit(
+    /// Checks a complete hello against the secret, the world size and the taken ranks.
+    fn check(
         &self,
-        mut s: TcpStream,
-        ip: IpAddr,
+        h: &Hello,
+        nonce: &[u8; NONCE_LEN],
         joined: &[Option<(TcpStream, PeerEntry)>],
-    ) -> Result<(TcpStream, PeerEntry)> {
-        s.set_nonblocking(false).map_err(io_err("fcntl"))?;
-        s.set_read_timeout(Some(IO_TIMEOUT))
-            .map_err(io_err("SO_RCVTIMEO"))?;
-        s.set_write_timeout(Some(IO_TIMEOUT))
-            .map_err(io_err("SO_SNDTIMEO"))?;
+    ) -> Result<()> {
+        if let Some(secret) = &self.secret {
+            let want = auth::response(secret, nonce, h.rank);
+            if !auth::ct_eq(&want, &h.mac) {
+                return Err(Error::Bootstrap("wrong secret".into()));
+            }
+        }
+        if h.size != self.size {
+            return Err(Error::Bootstrap(format!(
+                "world size {} differs from the server's {}",
+                h.size, self.size
+            )));
+        }
+        if h.rank == 0 || !matches!(joined.get(h.rank as usize), Some(None)) {
+            return Err(Error::Bootstrap(format!("rank {} already taken", h.rank)));
+        }
+        Ok(())
+    }
+
+    /// Records the refusal and tells the peer why (best effort, never blocking).
+    fn refuse(&mut self, mut h: Handshake, why: String) {
+        let msg = &why.as_bytes()[..why.len().min(wire::MAX_ERROR)];
+        let mut v = wire::encode_header(FrameType::Error, msg.len()).to_vec();
+        v.extend_from_slice(msg);
+        let _ = h.s.write(&v);
+        self.refused.push(format!("{}: {why}", h.from));
+    }
+}
+
+/// Most handshakes the server runs at once.
+pub const MAX_PENDING: usize = 128;
+
+/// One peer's handshake on a non-blocking socket: our challenge going out, its hello
+/// coming in (header first, validated before any payload is buffered).
+#[derive(Debug)]
+struct Handshake {
+    s: TcpStream,
+    from: SocketAddr,
+    nonce: [u8; NONCE_LEN],
+    deadline: Instant,
+    out: Vec<u8>,
+    out_done: usize,
+    hdr: [u8; HEADER_LEN],
+    hdr_got: usize,
+    payload: Vec<u8>,
+    payload_len: usize,
+}
+
+impl Handshake {
+    fn start(s: TcpStream, from: SocketAddr, secret_required: bool) -> Result<Self> {
+        s.set_nonblocking(true)
+            .map_err(io_err("fcntl(O_NONBLOCK)"))?;
         let _ = s.set_nodelay(true);
         let mut nonce = [0u8; NONCE_LEN];
         crate::sys::random_bytes(&mut nonce)?;
         let ch = Challenge {
             nonce,
-            secret_required: self.secret.is_some(),
+            secret_required,
         };
-        write_frame(&mut s, FrameType::Challenge, &ch.encode())?;
-        let r = (|| {
-            let (t, p) = read_frame(&mut s)?;
-            expect(t, FrameType::Hello)?;
-            let h = Hello::decode(&p)?;
-            if let Some(secret) = &self.secret {
-                let want = auth::response(secret, &nonce, h.rank);
-                if !auth::ct_eq(&want, &h.mac) {
-                    return Err(Error::Bootstrap("wrong secret".into()));
-                }
+        let p = ch.encode();
+        let mut out = wire::encode_header(FrameType::Challenge, p.len()).to_vec();
+        out.extend_from_slice(&p);
+        Ok(Handshake {
+            s,
+            from,
+            nonce,
+            deadline: Instant::now() + IO_TIMEOUT,
+            out,
+            out_done: 0,
+            hdr: [0; HEADER_LEN],
+            hdr_got: 0,
+            payload: Vec::new(),
+            payload_len: 0,
+        })
+    }
+
+    /// Moves the handshake on without blocking: `Ok(Some(hello))` once a complete, well-formed
+    /// hello arrived; `Ok(None)` for "not yet".
+    fn step(&mut self) -> Result<Option<Hello>> {
+        let nb = |r: io::Result<usize>, op| match r {
+            Ok(n) => Ok(Some(n)),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+                ) =>
+            {
+                Ok(None)
             }
-            if h.size != self.size {
-                return Err(Error::Bootstrap(format!(
-                    "world size {} differs from the server's {}",
-                    h.size, self.size
-                )));
-            }
-            if h.rank == 0 || joined[h.rank as usize].is_some() {
-                return Err(Error::Bootstrap(format!("rank {} already taken", h.rank)));
-            }
-            Ok(PeerEntry {
-                rank: h.rank,
-                ip: ip.to_string(),
-                blob: h.blob,
-            })
-        })();
-        match r {
-            Ok(e) => Ok((s, e)),
-            Err(e) => {
-                let msg = e.to_string();
-                let _ = write_frame(
-                    &mut s,
-                    FrameType::Error,
-                    &msg.as_bytes()[..msg.len().min(wire::MAX_ERROR)],
-                );
-                Err(e)
+            Err(e) => Err(Error::io(op, e)),
+        };
+        while self.out_done < self.out.len() {
+            match nb(self.s.write(&self.out[self.out_done..]), "bootstrap write")? {
+                Some(k) => self.out_done += k,
+                None => return Ok(None),
             }
         }
+        while self.hdr_got < HEADER_LEN {
+            match nb(self.s.read(&mut self.hdr[self.hdr_got..]), "bootstrap read")? {
+                Some(0) => {
+                    return Err(Error::Disconnected(
+                        "bootstrap read: hung up during its hello".into(),
+                    ))
+                }
+                Some(k) => self.hdr_got += k,
+                None => return Ok(None),
+            }
+            if self.hdr_got == HEADER_LEN {
+                let (t, len) = wire::decode_header(&self.hdr)?;
+                expect(t, FrameType::Hello)?;
+                self.payload_len = len; // <= Hello's limit (decode_header)
+            }
+        }
+        let mut chunk = [0u8; 4096];
+        while self.payload.len() < self.payload_len {
+            let want = (self.payload_len - self.payload.len()).min(chunk.len());
+            match nb(self.s.read(&mut chunk[..want]), "bootstrap read")? {
+                Some(0) => {
+                    return Err(Error::Disconnected(
+                        "bootstrap read: hung up during its hello".into(),
+                    ))
+                }
+                Some(k) => self.payload.extend_from_slice(&chunk[..k]),
+                None => return Ok(None),
+            }
+        }
+        Ok(Some(Hello::decode(&self.payload)?))
+    }
+}
+
+/// Whether a joined rank, which must now only wait for the table, hung up or sent
+/// anything: `Some(reason)` if so.
+fn gone(s: &mut TcpStream) -> Option<String> {
+    let mut b = [0u8; 1];
+    match s.read(&mut b) {
+        Ok(0) => Some("hung up".into()),
+        Ok(_) => Some("sent data out of turn".into()),
+        Err(e)
+            if matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+            ) =>
+        {
+            None
+        }
+        Err(e) => Some(e.to_string()),
     }
 }
 
@@ -256,8 +444,7 @@ pub fn join(
     s.set_write_timeout(Some(IO_TIMEOUT))
         .map_err(io_err("SO_SNDTIMEO"))?;
     let _ = s.set_nodelay(true);
-    let (t, p) = read_frame(&mut s)?;
-    expect(t, FrameType::Challenge)?;
+    let p = read_frame_expecting(&mut s, FrameType::Challenge)?;
     let ch = Challenge::decode(&p)?;
     let mac = match (secret, ch.secret_required) {
         (Some(sec), _) => auth::response(sec, &ch.nonce, rank),
@@ -275,8 +462,7 @@ pub fn join(
         blob: blob.to_vec(),
     };
     write_frame(&mut s, FrameType::Hello, &hello.encode())?;
-    let (t, p) = read_frame(&mut s)?;
-    expect(t, FrameType::Table)?;
+    let p = read_frame_expecting(&mut s, FrameType::Table)?;
     let table = wire::decode_table(&p)?;
     if table.len() != size as usize {
         return Err(Error::Bootstrap(format!(

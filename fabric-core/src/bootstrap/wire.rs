@@ -80,8 +80,8 @@ pub fn encode_header(t: FrameType, len: usize) -> [u8; HEADER_LEN] {
 /// Decodes a frame header into `(type, payload length)`.
 ///
 /// # Errors
-/// Truncated input, bad magic, another version, an unknown type, or a length above the
-/// type's limit.
+/// Truncated input, bad magic, another version, a non-zero reserved byte, an unknown
+/// type, or a length above the type's limit.
 pub fn decode_header(b: &[u8]) -> Result<(FrameType, usize), DecodeError> {
     const W: &str = "bootstrap frame header";
     if b.len() < HEADER_LEN {
@@ -100,6 +100,12 @@ pub fn decode_header(b: &[u8]) -> Result<(FrameType, usize), DecodeError> {
             what: W,
             found: v as u32,
             expected: VERSION as u32,
+        });
+    }
+    if b[7] != 0 {
+        return Err(DecodeError::Invalid {
+            what: "bootstrap frame header reserved byte (must be zero)",
+            value: b[7] as u64,
         });
     }
     let t = FrameType::from(b[6]).ok_or(DecodeError::Invalid {
@@ -473,6 +479,12 @@ mod tests {
             decode_header(&h),
             Err(DecodeError::TooLong { .. })
         ));
+        let mut r = encode_header(FrameType::Hello, 10);
+        r[7] = 1; // reserved
+        assert!(
+            matches!(decode_header(&r), Err(DecodeError::Invalid { .. })),
+            "reserved byte ignored"
+        );
         assert!(matches!(
             decode_header(b"GET / HTTP/1.1"),
             Err(DecodeError::BadMagic { .. })
