@@ -69,9 +69,7 @@ enum Op {
 
 #[derive(Debug, Arbitrary)]
 struct Input {
-    /// Regions registered up front: (side, len, access bits). (Registering with remote
-    /// access announces the region through the ring, which blocks while the ring is full of
-    /// messages nobody receives; a single-threaded harness would stall there.)
+    /// Regions registered up front: (side, len, access bits).
     regions: Vec<(bool, u16, u8)>,
     ops: Vec<Op>,
     kill: Option<bool>,

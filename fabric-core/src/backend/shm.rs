@@ -9,7 +9,10 @@
 //!   `chunk_bytes` (first record carries the total length) and copied out into the oldest
 //!   posted receive. No receive posted = the message waits in the ring (backpressure).
 //! * One-sided: regions are `memfd` shared mappings; registering one with remote access
-//!   passes its fd to the peer (announced in order through the ring), so write / read /
+//!   passes its fd to the peer over the Unix socket — the control path, counted in the
+//!   channel header and taken by the peer on every poll independently of the message
+//!   rings, so registration never waits for the application to post receives — and
+//!   write / read /
 //!   atomics are plain copies and `AtomicU64` operations on the peer's mapping, checked
 //!   against the key, the granted access and the real mapping length.
 //! * Sleeping: each side has a "sleeping" flag in the channel; a side that armed sleeps on
@@ -61,11 +64,15 @@ const CHAN_HDR: usize = 4096;
 const OFF_SLEEP: [usize; 2] = [1024, 1152];
 /// Rendezvous messages side `i` has finished reading out of the other side's memory.
 const OFF_RNDV_DONE: [usize; 2] = [1280, 1408];
+/// Region announcements side `i` has sent over the Unix socket (the control path: the
+/// peer takes them whenever this count moves, independently of the message rings).
+const OFF_ANNOUNCED: [usize; 2] = [1536, 1664];
 const MAX_RING: usize = 1 << 30;
 
 const K_FIRST: u8 = 1;
 const K_CONT: u8 = 2;
-const K_ANNOUNCE: u8 = 3;
+// 3 was a region announcement carried in the ring; announcements now have their own
+// path (the Unix socket, counted in the channel header) and 3 is refused.
 /// A rendezvous message: payload = region id `u32`, offset `u64`, length `u64` in the
 /// sender's announced region; `aux` = total length.
 const K_RNDV: u8 = 4;
@@ -133,6 +140,11 @@ impl Channel {
         // SAFETY: OFF_RNDV_DONE[side] + 8 <= CHAN_HDR; 8-aligned; lives with `self`; only
         // accessed atomically.
         unsafe { AtomicU64::from_ptr(self.map.as_mut_ptr().add(OFF_RNDV_DONE[side]) as *mut u64) }
+    }
+    fn announced(&self, side: usize) -> &AtomicU64 {
+        // SAFETY: OFF_ANNOUNCED[side] + 8 <= CHAN_HDR; 8-aligned; lives with `self`; only
+        // accessed atomically.
+        unsafe { AtomicU64::from_ptr(self.map.as_mut_ptr().add(OFF_ANNOUNCED[side]) as *mut u64) }
     }
     /// (producer of ring `side -> other`, consumer of ring `other -> side`).
     fn ends(self: &Arc<Self>, side: usize) -> (Producer, Consumer) {
@@ -439,6 +451,8 @@ fn finish(
         rndv_out: std::collections::VecDeque::with_capacity(opts.max_in_flight),
         rndv_seen: 0,
         rndv_done: 0,
+        announced: 0,
+        ann_taken: 0,
         rx_state: RxState::Idle,
         idle: 0,
         armed: false,
@@ -494,6 +508,10 @@ struct ShmHal {
     rndv_seen: u64,
     /// How many of the peer's rendezvous messages we finished.
     rndv_done: u64,
+    /// Announcements we sent (mirrored in the channel header for the peer).
+    announced: u64,
+    /// The peer's announcements we have taken off the socket.
+    ann_taken: u64,
     rx_state: RxState,
     idle: u32,
     armed: bool,
@@ -634,8 +652,8 @@ impl ShmHal {
     ) -> Result<Option<*mut u8>> {
         let idx = key.region as usize;
         if self.remote.get(idx).and_then(|r| r.as_ref()).is_none() {
-            // An announcement may still be in the ring; look once more.
-            self.pump_rx_announcements_only()?;
+            // An announcement may have just arrived; look once more.
+            self.take_announcements()?;
         }
         let Some(r) = self.remote.get(idx).and_then(|r| r.as_ref()) else {
             return Ok(None);
@@ -650,18 +668,22 @@ impl ShmHal {
         Ok(Some(unsafe { r.map.as_mut_ptr().add(off as usize) }))
     }
 
-    fn pump_rx_announcements_only(&mut self) -> Result<()> {
-        while let Some(rec) = self.rx.peek().map_err(|e| Error::Protocol(e.to_string()))? {
-            if rec.kind != K_ANNOUNCE {
+    /// Takes the peer's region announcements off the Unix socket (the control path),
+    /// independently of the message rings: one atomic load when there are none. A count
+    /// that runs ahead of the socket is "not yet" (the peer bumps it after sending).
+    fn take_announcements(&mut self) -> Result<()> {
+        let sent = self.chan.announced(1 - self.side).load(Ordering::Acquire);
+        while self.ann_taken < sent {
+            if !self.take_announcement()? {
                 break;
             }
-            self.take_announcement(rec.aux)?;
-            self.rx.consume(&rec);
+            self.ann_taken += 1;
         }
         Ok(())
     }
 
-    fn take_announcement(&mut self, id: u64) -> Result<()> {
+    /// One announcement from the socket; `Ok(false)` when none has arrived.
+    fn take_announcement(&mut self) -> Result<bool> {
         let mut b = [0u8; ANN_LEN];
         let mut got = 0;
         let mut fds = Vec::new();
@@ -673,6 +695,7 @@ impl ShmHal {
                     got += n;
                     fds.extend(f);
                 }
+                None if got == 0 => return Ok(false),
                 None => {
                     if Instant::now() > end {
                         return Err(Error::Protocol("announced region never arrived".into()));
@@ -682,7 +705,7 @@ impl ShmHal {
             }
         }
         let (rid, len, key, access, flags) = decode_announcement(&b)?;
-        if rid as u64 != id || fds.len() != 1 || rid as usize >= MAX_REMOTE_REGIONS {
+        if fds.len() != 1 || rid as usize >= MAX_REMOTE_REGIONS {
             return Err(Error::Protocol(
                 "announcement does not match its record".into(),
             ));
@@ -711,7 +734,7 @@ impl ShmHal {
             map,
             _fd: fd,
         });
-        Ok(())
+        Ok(true)
     }
 
     fn receive(&mut self, t: &mut Tracker) -> Result<bool> {
@@ -778,7 +801,6 @@ impl ShmHal {
                         self.rx_state = RxState::Idle;
                     }
                 }
-                (K_ANNOUNCE, _) => self.take_announcement(rec.aux)?,
                 (K_RNDV, RxState::Idle) => {
                     let Some(token) = t.recv_front() else { break };
                     if rec.len != RNDV_LEN {
@@ -798,6 +820,10 @@ impl ShmHal {
                     let rid = u32::from_le_bytes(b[0..4].try_into().unwrap_or_default()) as usize;
                     let off = u64::from_le_bytes(b[4..12].try_into().unwrap_or_default());
                     let len = u64::from_le_bytes(b[12..20].try_into().unwrap_or_default());
+                    if self.remote.get(rid).and_then(|r| r.as_ref()).is_none() {
+                        // Announced before this record was pushed: on the socket by now.
+                        self.take_announcements()?;
+                    }
                     let src = match self.remote.get(rid).and_then(|r| r.as_ref()) {
                         Some(r)
                             if r.rndv
@@ -864,12 +890,12 @@ impl ShmHal {
             }
             std::thread::sleep(Duration::from_micros(100));
         }
-        while !self.tx.push(K_ANNOUNCE, r.id() as u64, &[]) {
-            if Instant::now() > end || sys::peer_hung_up(self.sock.as_fd()) {
-                return Err(Error::Timeout("region announcement (ring full)"));
-            }
-            std::thread::yield_now();
-        }
+        // The count moves after the bytes are in the peer's socket queue, so a peer that
+        // sees it (or a later ring record) finds the announcement there.
+        self.announced += 1;
+        self.chan
+            .announced(self.side)
+            .store(self.announced, Ordering::Release);
         self.notify_peer();
         Ok(())
     }
@@ -963,6 +989,7 @@ impl Hal for ShmHal {
             sys::eventfd_drain(self.efd.as_fd());
             self.idle = CHECK_EVERY - 1;
         }
+        self.take_announcements()?;
         let mut moved = false;
         while let Some(tok) = t.submit_front() {
             match self.submit_one(t, tok)? {
