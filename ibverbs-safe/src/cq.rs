@@ -382,7 +382,7 @@ impl Completion {
             let kind = unsafe {
                 WorkQueue::complete_with(wc.wr_id, |d| {
                     self.wr_id = d.user;
-                    self.bufs = d.bufs;
+                    self.bufs.replace_with(&mut d.bufs);
                     self.scoped = d.scoped;
                 })
             };

@@ -170,6 +170,30 @@ impl SgList {
     pub fn take(&mut self) -> SgList {
         std::mem::take(self)
     }
+
+    /// Drops this list's buffers and moves `src`'s into it, leaving `src` empty. Copies
+    /// only the initialised entries (one 24-byte handle for a single-buffer request instead
+    /// of the whole list).
+    #[inline]
+    pub(crate) fn replace_with(&mut self, src: &mut SgList) {
+        let n = (self.len as usize).min(MAX_SGE);
+        // Emptied first: should a drop panic, nothing is dropped twice (only leaked).
+        self.len = 0;
+        for item in &mut self.items[..n] {
+            // SAFETY: the first `n` entries were initialised; `len` is 0 now, so each is
+            // dropped exactly once.
+            unsafe { item.assume_init_drop() };
+        }
+        let m = (src.len as usize).min(MAX_SGE);
+        src.len = 0;
+        // SAFETY: `src`'s first `m` entries are initialised and, with its `len` now 0, owned
+        // by nobody else; `self`'s entries are all uninitialised; the lists are distinct
+        // (`&mut` to both).
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.items.as_ptr(), self.items.as_mut_ptr(), m);
+        }
+        self.len = m as u8;
+    }
 }
 
 impl IntoIterator for SgList {
@@ -380,17 +404,29 @@ impl WorkQueue {
     pub(crate) unsafe fn complete(wr_id: u64) -> Option<(SlotData, QueueKind)> {
         let mut out = None;
         // SAFETY: the caller's contract.
-        let kind = unsafe { Self::complete_with(wr_id, |d| out = Some(d)) }?;
+        let kind = unsafe {
+            Self::complete_with(wr_id, |d| {
+                out = Some(SlotData {
+                    bufs: d.bufs.take(),
+                    user: d.user,
+                    _ah: d._ah.take(),
+                    scoped: d.scoped,
+                })
+            })
+        }?;
         out.map(|d| (d, kind))
     }
 
-    /// As [`complete`](Self::complete), handing the slot's data to `f` (which the hot
-    /// path uses to move it straight into a `Completion`, with no intermediate copy).
+    /// As [`complete`](Self::complete), lending the slot's data to `f` in place (the hot
+    /// path moves the buffers straight into a `Completion`); what `f` leaves is dropped.
     ///
     /// # Safety
     /// As [`complete`](Self::complete).
     #[inline(always)]
-    pub(crate) unsafe fn complete_with(wr_id: u64, f: impl FnOnce(SlotData)) -> Option<QueueKind> {
+    pub(crate) unsafe fn complete_with(
+        wr_id: u64,
+        f: impl FnOnce(&mut SlotData),
+    ) -> Option<QueueKind> {
         // SAFETY: contract: the slot and its queue are alive.
         let slot = unsafe { &*(wr_id as *const Slot) };
         // SAFETY: `queue` points at the WorkQueue owning this slot (set at construction).
@@ -402,9 +438,15 @@ impl WorkQueue {
         {
             return None;
         }
-        // SAFETY: the successful CAS made us the slot's only user until we store FREE, and a
-        // POSTED slot holds initialised data, which we move out (the slot is FREE after).
-        f(slot.data.with_mut(|p| unsafe { (*p).assume_init_read() }));
+        slot.data.with_mut(|p| {
+            // SAFETY: the successful CAS made us the slot's only user until we store FREE,
+            // and a POSTED slot holds initialised data; after `f` it is dropped in place
+            // exactly once (the slot is FREE, i.e. uninitialised, after).
+            unsafe {
+                f((*p).assume_init_mut());
+                (*p).assume_init_drop();
+            }
+        });
         slot.state.store(FREE, Ordering::Release);
         if q.ordered {
             let n = q.slots.len();

@@ -88,6 +88,7 @@ impl<T: Transport> QueuePair<T> {
 }
 
 impl<'scope, 'env, T: Transport> Scope<'scope, 'env, T> {
+    #[inline]
     fn post(&mut self, req: SendRequest, sge: ibv_sge, wr_id: u64) -> Result<()> {
         let core = &mut self.qp.core;
         let mut sges = [ibv_sge::default(); MAX_SGE];
