@@ -79,7 +79,8 @@ install_host_packages() {
 # ------------------------------------------------------------------ kernel + initramfs
 # Modules the guest loads, in dependency order after resolution (initramfs stage 1).
 # (rdma_rxe asks the crypto API for "crc32" at run time: the guest has no modprobe to find it)
-GUEST_MODULES=(virtio_pci 9pnet_virtio 9p overlay crc32_generic rdma_rxe ib_uverbs rdma_ucm veth)
+# vgem: a DRM driver whose buffers export as real dma-bufs (ibverbs-safe's rxe_dmabuf test)
+GUEST_MODULES=(virtio_pci 9pnet_virtio 9p overlay crc32_generic rdma_rxe ib_uverbs rdma_ucm veth vgem)
 
 kernel_package() { # the versioned image package behind linux-image-amd64
   local p
@@ -104,7 +105,8 @@ fetch_kernel() { # -> sets KDIR (holds vmlinuz, mods/*.ko, mods/order)
     return
   fi
   KDIR=$CACHE/kernel/$kpkg
-  [[ -s $KDIR/vmlinuz && -s $KDIR/mods/order ]] && return
+  # a cache made for another module list is rebuilt
+  [[ -s $KDIR/vmlinuz && -s $KDIR/mods/order && "$(cat "$KDIR/modules.list" 2> /dev/null)" == "${GUEST_MODULES[*]}" ]] && return
   log "fetching $kpkg (unpacked into the cache, never installed on the host)"
   local tmp
   tmp=$(mktemp -d "$CACHE/kernel/.fetch.XXXXXX")
@@ -129,6 +131,7 @@ fetch_kernel() { # -> sets KDIR (holds vmlinuz, mods/*.ko, mods/order)
   done
   [[ -s $tmp/out/mods/order ]] || die "resolving the guest modules failed"
   echo "$kver" > "$tmp/out/version"
+  echo "${GUEST_MODULES[*]}" > "$tmp/out/modules.list"
   rm -rf "$KDIR"
   mv "$tmp/out" "$KDIR"
   rm -rf "$tmp" # the .deb and the 400 MB of unneeded modules
