@@ -479,6 +479,131 @@ impl WorkQueue {
     }
 }
 
+/// A device-free handle on one in-flight slot table, for fuzzing and tests
+/// ([`crate::fuzzing`]): each posted "buffer" is a `u64`, and every call goes through the
+/// same code the QP and CQ paths use.
+#[doc(hidden)]
+pub struct SlotTable {
+    q: Arc<WorkQueue>,
+    head: usize,
+}
+
+impl std::fmt::Debug for SlotTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SlotTable")
+            .field("depth", &self.q.depth())
+            .field("head", &self.head)
+            .finish()
+    }
+}
+
+impl SlotTable {
+    /// A table of `depth` slots (at least one); `ordered` as a QP's send/receive queue
+    /// (completions retire earlier slots), unordered as an SRQ's.
+    pub fn new(depth: usize, ordered: bool) -> Self {
+        let kind = if ordered {
+            QueueKind::Send
+        } else {
+            QueueKind::Srq
+        };
+        SlotTable {
+            q: WorkQueue::new(depth, ordered, kind),
+            head: 0,
+        }
+    }
+
+    /// Number of slots.
+    pub fn depth(&self) -> usize {
+        self.q.depth()
+    }
+
+    fn data(user: u64) -> SlotData {
+        SlotData {
+            bufs: SgList::new(),
+            user,
+            _ah: None,
+            scoped: false,
+        }
+    }
+
+    fn index_of(&self, wr_id: u64) -> usize {
+        let base = self.q.slots.as_ptr() as u64;
+        ((wr_id - base) / std::mem::size_of::<Slot>() as u64) as usize
+    }
+
+    /// Posts `user` as a work request the provider accepts; returns its slot index.
+    ///
+    /// # Errors
+    /// `user` back when no slot is free (backpressure: the caller must poll first).
+    pub fn post(&mut self, user: u64) -> std::result::Result<usize, u64> {
+        match self.q.fill(&mut self.head, Self::data(user)) {
+            Ok(id) => {
+                self.q.advance(&mut self.head);
+                Ok(self.index_of(id))
+            }
+            Err(d) => Err(d.user),
+        }
+    }
+
+    /// Posts `user` as a work request the provider then refuses: the slot is taken back.
+    /// Returns what came back (`None` would be a lost buffer).
+    ///
+    /// # Errors
+    /// `user` back when no slot is free.
+    pub fn post_refused(&mut self, user: u64) -> std::result::Result<Option<u64>, u64> {
+        match self.q.fill(&mut self.head, Self::data(user)) {
+            Ok(id) => Ok(self.q.unfill(id).map(|d| d.user)),
+            Err(d) => Err(d.user),
+        }
+    }
+
+    /// A completion naming slot `index` (`index < depth`, else ignored): the buffer it
+    /// hands back, if any, and the buffers of the earlier slots it retired (ordered tables).
+    pub fn complete(&mut self, index: usize) -> (Option<u64>, Vec<u64>) {
+        let Some(slot) = self.q.slots.get(index) else {
+            return (None, Vec::new());
+        };
+        let before: Vec<Option<u64>> = (0..self.q.depth()).map(|i| self.posted(i)).collect();
+        let mut got = None;
+        // SAFETY: the id names a slot of `self.q`, alive while `self` is; `&mut self` makes
+        // this the table's single poller.
+        unsafe {
+            WorkQueue::complete_with(slot as *const Slot as u64, |d| got = Some(d.user));
+        }
+        let swept = before
+            .iter()
+            .enumerate()
+            .filter(|&(i, u)| i != index && u.is_some() && self.posted(i).is_none())
+            .filter_map(|(_, u)| *u)
+            .collect();
+        (got, swept)
+    }
+
+    /// What slot `index` holds, if it is posted.
+    pub fn posted(&self, index: usize) -> Option<u64> {
+        let slot = self.q.slots.get(index)?;
+        if slot.state.load(Ordering::Acquire) != POSTED {
+            return None;
+        }
+        // SAFETY: a POSTED slot holds initialised data; `&self` with the table's `&mut`
+        // methods means no taker runs concurrently; we only read `user`.
+        Some(
+            slot.data
+                .with_mut(|p| unsafe { (*p).assume_init_ref().user }),
+        )
+    }
+
+    /// Releases everything in flight (QP destroyed); returns how many slots were released.
+    pub fn release_all(&mut self) -> usize {
+        self.q.release_all()
+    }
+
+    /// Number of slots in flight.
+    pub fn in_flight(&self) -> usize {
+        self.q.in_flight()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -237,6 +237,34 @@ pub use qp::{
 };
 pub use result::drop_failures;
 
+/// Device-free entry points to the host-side checks made before a post, for the fuzz
+/// targets in `fuzz/` and tests. Not a stable API.
+#[doc(hidden)]
+pub mod fuzzing {
+    pub use crate::inflight::SlotTable;
+    pub use crate::qp::{OpClass, SendShape};
+    pub use crate::sys::{IBV_QPT_RC, IBV_QPT_UC, IBV_QPT_UD};
+
+    /// The bounds check of [`MemoryRegion::slice`](crate::MemoryRegion::slice) /
+    /// [`MrSlice::slice`](crate::MrSlice::slice) for `start..end` of a region `len` long:
+    /// `(offset, length)`.
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`](crate::Error::OutOfBounds).
+    pub fn region_range(start: usize, end: usize, len: usize) -> crate::Result<(usize, usize)> {
+        crate::mr::range_of(start..end, len)
+    }
+
+    /// As [`region_range`], also refusing ranges longer than one scatter/gather element
+    /// (the check of `MemoryRegion::slice` and scoped posts).
+    ///
+    /// # Errors
+    /// [`Error::OutOfBounds`](crate::Error::OutOfBounds).
+    pub fn sge_range(start: usize, end: usize, len: usize) -> crate::Result<(usize, usize)> {
+        crate::mr::sge_range(start..end, len)
+    }
+}
+
 /// The raw `verbs.h` types for the expert layer ([`QueuePair::post_send_raw`],
 /// [`QueuePair::post_recv_raw`], [`CompletionQueue::poll_raw`]).
 pub mod raw {

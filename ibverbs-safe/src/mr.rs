@@ -262,6 +262,20 @@ pub(crate) fn range_of(r: impl RangeBounds<usize>, len: usize) -> Result<(usize,
     Ok((start, end - start))
 }
 
+/// [`range_of`], and the range must fit one scatter/gather element (`u32::MAX` bytes).
+#[inline]
+pub(crate) fn sge_range(r: impl RangeBounds<usize>, len: usize) -> Result<(usize, usize)> {
+    let (off, n) = range_of(r, len)?;
+    if n > u32::MAX as usize {
+        return Err(Error::OutOfBounds {
+            offset: off,
+            len: n,
+            region_len: u32::MAX as usize,
+        });
+    }
+    Ok((off, n))
+}
+
 impl<B: RegionBuffer, A: AccessMode> MemoryRegion<B, A> {
     /// Start address (what a peer uses as `remote_addr`).
     pub fn addr(&self) -> u64 {
@@ -302,14 +316,7 @@ impl<B: RegionBuffer, A: AccessMode> MemoryRegion<B, A> {
     /// [`Error::OutOfBounds`] when the range does not lie in the region or is longer than
     /// `u32::MAX` (the largest scatter/gather element).
     pub fn slice(&mut self, range: impl RangeBounds<usize>) -> Result<MrSlice> {
-        let (off, len) = range_of(range, self.inner.len)?;
-        if len > u32::MAX as usize {
-            return Err(Error::OutOfBounds {
-                offset: off,
-                len,
-                region_len: u32::MAX as usize,
-            });
-        }
+        let (off, len) = sge_range(range, self.inner.len)?;
         Ok(MrSlice {
             owner: self.inner.clone(),
             addr: self.inner.addr as u64 + off as u64,
@@ -321,14 +328,7 @@ impl<B: RegionBuffer, A: AccessMode> MemoryRegion<B, A> {
     /// The scatter/gather element of `range` (for scoped, borrowing work requests).
     #[inline]
     pub(crate) fn sge_of(&self, range: impl RangeBounds<usize>) -> Result<sys::ibv_sge> {
-        let (off, len) = range_of(range, self.inner.len)?;
-        if len > u32::MAX as usize {
-            return Err(Error::OutOfBounds {
-                offset: off,
-                len,
-                region_len: u32::MAX as usize,
-            });
-        }
+        let (off, len) = sge_range(range, self.inner.len)?;
         Ok(sys::ibv_sge {
             addr: self.inner.addr as u64 + off as u64,
             length: len as u32,

@@ -6,6 +6,8 @@ mod request;
 mod scope;
 
 pub use endpoint::{Endpoint, EndpointDecodeError};
+#[doc(hidden)]
+pub use request::{OpClass, SendShape};
 pub use request::{SendBatch, SendRequest, UdDest, MAX_BATCH};
 pub use scope::Scope;
 

@@ -155,57 +155,18 @@ impl SendRequest {
         wr: &mut ibv_send_wr,
         sges: &mut [ibv_sge; MAX_SGE],
     ) -> Result<()> {
-        let is_ud = T::QPT == sys::IBV_QPT_UD;
-        let is_uc = T::QPT == sys::IBV_QPT_UC;
-        if self.bufs.len() > max_sge {
-            return Err(Error::InvalidRequest(
-                "more buffers than the QP's max_send_sge",
-            ));
-        }
         let (n, total) = self.bufs.encode(sges);
-        if self.flags & sys::IBV_SEND_INLINE != 0 && total > max_inline as u64 {
-            return Err(Error::InvalidRequest(
-                "inline data larger than the QP's max_inline_data",
-            ));
-        }
+        self.shape::<T>(total).check(max_sge, max_inline)?;
         wr.next = std::ptr::null_mut();
         wr.sg_list = sges.as_mut_ptr();
         wr.num_sge = n as i32;
         wr.send_flags = self.flags;
         wr.imm_data = self.imm.map_or(0, u32::to_be);
-        let check_remote = |r: &RemoteMemory| {
-            if total > r.len {
-                Err(Error::OutOfBounds {
-                    offset: 0,
-                    len: total as usize,
-                    region_len: r.len as usize,
-                })
-            } else {
-                Ok(())
-            }
-        };
+        let with_imm = |plain, imm| if self.imm.is_some() { imm } else { plain };
         match &self.op {
-            Op::Send if is_ud => {
-                return Err(Error::InvalidRequest(
-                    "UD sends need a destination: use send_to",
-                ))
-            }
-            Op::Send => {
-                wr.opcode = if self.imm.is_some() {
-                    IBV_WR_SEND_WITH_IMM
-                } else {
-                    IBV_WR_SEND
-                };
-            }
+            Op::Send => wr.opcode = with_imm(IBV_WR_SEND, IBV_WR_SEND_WITH_IMM),
             Op::SendTo(d) => {
-                if !is_ud {
-                    return Err(Error::InvalidRequest("send_to is for UD QPs"));
-                }
-                wr.opcode = if self.imm.is_some() {
-                    IBV_WR_SEND_WITH_IMM
-                } else {
-                    IBV_WR_SEND
-                };
+                wr.opcode = with_imm(IBV_WR_SEND, IBV_WR_SEND_WITH_IMM);
                 wr.wr.ud = ibv_send_wr_ud {
                     ah: d.ah.as_ptr(),
                     remote_qpn: d.qpn,
@@ -213,78 +174,67 @@ impl SendRequest {
                 };
             }
             Op::Write(r) => {
-                if is_ud {
-                    return Err(Error::InvalidRequest("RDMA WRITE needs a connected QP"));
-                }
-                check_remote(r)?;
-                wr.opcode = if self.imm.is_some() {
-                    IBV_WR_RDMA_WRITE_WITH_IMM
-                } else {
-                    IBV_WR_RDMA_WRITE
-                };
+                wr.opcode = with_imm(IBV_WR_RDMA_WRITE, IBV_WR_RDMA_WRITE_WITH_IMM);
                 wr.wr.rdma = ibv_send_wr_rdma {
                     remote_addr: r.addr,
                     rkey: r.rkey,
                 };
             }
             Op::Read(r) => {
-                if is_ud || is_uc {
-                    return Err(Error::InvalidRequest("RDMA READ needs an RC QP"));
-                }
-                if self.imm.is_some() {
-                    return Err(Error::InvalidRequest(
-                        "RDMA READ cannot carry immediate data",
-                    ));
-                }
-                check_remote(r)?;
                 wr.opcode = IBV_WR_RDMA_READ;
                 wr.wr.rdma = ibv_send_wr_rdma {
                     remote_addr: r.addr,
                     rkey: r.rkey,
                 };
             }
-            Op::CompareSwap { remote, .. } | Op::FetchAdd { remote, .. } => {
-                if is_ud || is_uc {
-                    return Err(Error::InvalidRequest("atomics need an RC QP"));
-                }
-                if self.imm.is_some() {
-                    return Err(Error::InvalidRequest("atomics cannot carry immediate data"));
-                }
-                let b = match self.bufs.first() {
-                    Some(b) if self.bufs.len() == 1 => b,
-                    _ => {
-                        return Err(Error::InvalidRequest(
-                            "atomics take exactly one 8-byte result buffer",
-                        ))
-                    }
-                };
-                if b.len() != 8 || b.addr() % 8 != 0 {
-                    return Err(Error::InvalidRequest(
-                        "the atomic result buffer must be 8 bytes, 8-aligned",
-                    ));
-                }
-                if remote.len < 8 || remote.addr % 8 != 0 {
-                    return Err(Error::InvalidRequest(
-                        "the atomic target must be 8 bytes, 8-aligned",
-                    ));
-                }
-                let (opcode, compare_add, swap) = match self.op {
-                    Op::CompareSwap { compare, swap, .. } => {
-                        (IBV_WR_ATOMIC_CMP_AND_SWP, compare, swap)
-                    }
-                    Op::FetchAdd { add, .. } => (IBV_WR_ATOMIC_FETCH_AND_ADD, add, 0),
-                    _ => unreachable!(),
-                };
-                wr.opcode = opcode;
+            Op::CompareSwap {
+                remote,
+                compare,
+                swap,
+            } => {
+                wr.opcode = IBV_WR_ATOMIC_CMP_AND_SWP;
                 wr.wr.atomic = ibv_send_wr_atomic {
                     remote_addr: remote.addr,
-                    compare_add,
-                    swap,
+                    compare_add: *compare,
+                    swap: *swap,
+                    rkey: remote.rkey,
+                };
+            }
+            Op::FetchAdd { remote, add } => {
+                wr.opcode = IBV_WR_ATOMIC_FETCH_AND_ADD;
+                wr.wr.atomic = ibv_send_wr_atomic {
+                    remote_addr: remote.addr,
+                    compare_add: *add,
+                    swap: 0,
                     rkey: remote.rkey,
                 };
             }
         }
         Ok(())
+    }
+
+    /// What the host-side checks look at (see [`SendShape::check`]).
+    #[inline]
+    fn shape<T: Transport>(&self, total: u64) -> SendShape {
+        let (class, remote) = match &self.op {
+            Op::Send => (OpClass::Send, None),
+            Op::SendTo(_) => (OpClass::SendTo, None),
+            Op::Write(r) => (OpClass::Write, Some((r.addr, r.len))),
+            Op::Read(r) => (OpClass::Read, Some((r.addr, r.len))),
+            Op::CompareSwap { remote, .. } | Op::FetchAdd { remote, .. } => {
+                (OpClass::Atomic, Some((remote.addr, remote.len)))
+            }
+        };
+        SendShape {
+            qpt: T::QPT,
+            class,
+            imm: self.imm.is_some(),
+            inline: self.flags & sys::IBV_SEND_INLINE != 0,
+            nbufs: self.bufs.len(),
+            total,
+            first: self.bufs.first().map(|b| (b.addr(), b.len() as u64)),
+            remote,
+        }
     }
 
     /// Length of the remote window of WRITE/READ/atomics.
@@ -301,6 +251,129 @@ impl SendRequest {
         match &self.op {
             Op::SendTo(d) => Some(d.ah.clone()),
             _ => None,
+        }
+    }
+}
+
+/// The kind of a send work request, as far as the host-side checks care.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OpClass {
+    /// SEND on a connected QP.
+    Send,
+    /// SEND to a UD destination.
+    SendTo,
+    /// RDMA WRITE.
+    Write,
+    /// RDMA READ.
+    Read,
+    /// Compare-and-swap or fetch-and-add.
+    Atomic,
+}
+
+/// Everything the checks made before a send is posted look at: no device, no handle, so
+/// they can be tested and fuzzed on any machine ([`crate::fuzzing`]).
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug)]
+pub struct SendShape {
+    /// `IBV_QPT_RC`, `IBV_QPT_UC` or `IBV_QPT_UD`.
+    pub qpt: u32,
+    /// The operation.
+    pub class: OpClass,
+    /// Carries immediate data.
+    pub imm: bool,
+    /// Posted with `IBV_SEND_INLINE`.
+    pub inline: bool,
+    /// Number of local buffers.
+    pub nbufs: usize,
+    /// Their total length.
+    pub total: u64,
+    /// Address and length of the first local buffer.
+    pub first: Option<(u64, u64)>,
+    /// Address and length of the remote window (WRITE, READ, atomics).
+    pub remote: Option<(u64, u64)>,
+}
+
+impl SendShape {
+    /// The host-side checks of a send work request against the transport and the QP's
+    /// limits, in the order they are reported.
+    ///
+    /// # Errors
+    /// [`Error::InvalidRequest`] (too many buffers, inline too large, operation not valid
+    /// for the transport, immediate data on READ/atomics, atomic buffers not one 8-byte
+    /// 8-aligned buffer / 8-byte 8-aligned target), [`Error::OutOfBounds`] (local buffers
+    /// longer than the remote window of a WRITE/READ).
+    #[inline]
+    pub fn check(&self, max_sge: usize, max_inline: u32) -> Result<()> {
+        let is_ud = self.qpt == sys::IBV_QPT_UD;
+        let is_uc = self.qpt == sys::IBV_QPT_UC;
+        if self.nbufs > max_sge {
+            return Err(Error::InvalidRequest(
+                "more buffers than the QP's max_send_sge",
+            ));
+        }
+        if self.inline && self.total > max_inline as u64 {
+            return Err(Error::InvalidRequest(
+                "inline data larger than the QP's max_inline_data",
+            ));
+        }
+        let (raddr, rlen) = self.remote.unwrap_or((0, 0));
+        let check_remote = || {
+            if self.total > rlen {
+                Err(Error::OutOfBounds {
+                    offset: 0,
+                    len: self.total as usize,
+                    region_len: rlen as usize,
+                })
+            } else {
+                Ok(())
+            }
+        };
+        match self.class {
+            OpClass::Send if is_ud => Err(Error::InvalidRequest(
+                "UD sends need a destination: use send_to",
+            )),
+            OpClass::Send => Ok(()),
+            OpClass::SendTo if !is_ud => Err(Error::InvalidRequest("send_to is for UD QPs")),
+            OpClass::SendTo => Ok(()),
+            OpClass::Write if is_ud => {
+                Err(Error::InvalidRequest("RDMA WRITE needs a connected QP"))
+            }
+            OpClass::Write => check_remote(),
+            OpClass::Read if is_ud || is_uc => {
+                Err(Error::InvalidRequest("RDMA READ needs an RC QP"))
+            }
+            OpClass::Read if self.imm => Err(Error::InvalidRequest(
+                "RDMA READ cannot carry immediate data",
+            )),
+            OpClass::Read => check_remote(),
+            OpClass::Atomic if is_ud || is_uc => {
+                Err(Error::InvalidRequest("atomics need an RC QP"))
+            }
+            OpClass::Atomic if self.imm => {
+                Err(Error::InvalidRequest("atomics cannot carry immediate data"))
+            }
+            OpClass::Atomic => {
+                let (addr, len) = match self.first {
+                    Some(b) if self.nbufs == 1 => b,
+                    _ => {
+                        return Err(Error::InvalidRequest(
+                            "atomics take exactly one 8-byte result buffer",
+                        ))
+                    }
+                };
+                if len != 8 || addr % 8 != 0 {
+                    return Err(Error::InvalidRequest(
+                        "the atomic result buffer must be 8 bytes, 8-aligned",
+                    ));
+                }
+                if rlen < 8 || raddr % 8 != 0 {
+                    return Err(Error::InvalidRequest(
+                        "the atomic target must be 8 bytes, 8-aligned",
+                    ));
+                }
+                Ok(())
+            }
         }
     }
 }
