@@ -134,9 +134,9 @@ fn expected(s: &SendShape, qpt: Qpt, max_sge: usize, max_inline: u32) -> Verdict
         OpClass::Write | OpClass::Read if s.total > rlen => Verdict::OutOfBounds,
         OpClass::Write | OpClass::Read => Verdict::Ok,
         OpClass::Atomic => {
-            let one_word = s.nbufs == 1 && s.first == Some((s.first.unwrap().0, 8));
-            let local_ok = one_word && s.first.unwrap().0 % 8 == 0;
-            if s.imm || !local_ok || rlen < 8 || raddr % 8 != 0 {
+            let local_ok =
+                s.nbufs == 1 && matches!(s.first, Some((addr, 8)) if addr.is_multiple_of(8));
+            if s.imm || !local_ok || rlen < 8 || !raddr.is_multiple_of(8) {
                 Verdict::Invalid
             } else {
                 Verdict::Ok
