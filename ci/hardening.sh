@@ -180,6 +180,7 @@ asan_jobs=(
   "fabric|--test fabric_transport|"
   "fabric|--test fabric_bootstrap|"
   "fabric|--test bad_input_transport|"
+  "fabric|--test fabric_shm_control|"
   "fabric-core|--lib|"
   # nvlink-p2p: SCM_RIGHTS / pidfd fd passing between processes
   "nvlink-p2p|--test fd_passing|"
