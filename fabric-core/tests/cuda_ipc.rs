@@ -296,11 +296,12 @@ fn protocol_over_the_stand_in_driver() {
         let mut read_only = key;
         read_only.access = Access::REMOTE_READ.bits();
         read_only.region = 1; // keybuf: registered without remote access, never announced
+                              // Waits for an announcement that never comes, then gives up. The wait may start
+                              // inside post_read, so the clock starts before it.
+        let started = Instant::now();
         a.post_read(local.slice(0, 8).unwrap(), &read_only, 0, 8)
             .map_err(|e| e.error)
             .unwrap();
-        // Waits for an announcement that never comes, then gives up.
-        let started = Instant::now();
         assert_eq!(
             wait_pair(a.as_mut(), b.as_mut()).status,
             Status::RemoteAccess
