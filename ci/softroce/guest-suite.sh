@@ -38,10 +38,19 @@ run_test_binary() { # package-dir executable
   # --nocapture: the tests' figures and skip lines reach the log
   (cd "$dir" && exec timeout -k 10 "$STEP_TIMEOUT" "$bin" --test-threads="$THREADS" --nocapture) 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
+  local retried=""
+  if [ $rc != 0 ] && [ $rc != 124 ] && [ $rc != 137 ]; then
+    # One rerun: TCG on a shared 2-core host stretches timings. A test that fails twice
+    # fails the suite; one that passes the second time is named in the summary.
+    echo "=== test binary $name failed (status $rc): running it once more"
+    (cd "$dir" && exec timeout -k 10 "$STEP_TIMEOUT" "$bin" --test-threads="$THREADS" --nocapture) 2>&1 | tee "$log"
+    rc=${PIPESTATUS[0]}
+    [ $rc = 0 ] && retried=" (FLAKY: failed once, passed on the rerun)"
+  fi
   if [ $rc = 0 ] && grep -q 'skipped: no RDMA device' "$log"; then
     # the guest has devices: a test that skips here would silently test nothing
     record FAIL "$name (a test skipped for lack of an RDMA device in the guest)" "$(since "$t0")"
-  elif [ $rc = 0 ]; then record PASS "$name" "$(since "$t0")"
+  elif [ $rc = 0 ]; then record PASS "$name$retried" "$(since "$t0")"
   elif [ $rc = 124 ] || [ $rc = 137 ]; then record FAIL "$name (timed out after ${STEP_TIMEOUT}s)" "$(since "$t0")"
   else record FAIL "$name (status $rc)" "$(since "$t0")"; fi
   rm -f "$log"
