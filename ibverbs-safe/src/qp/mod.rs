@@ -801,17 +801,8 @@ impl<T: Transport> QueuePair<T> {
     /// 3. Its completions come back through [`CompletionQueue::poll`] (with the raw
     ///    `wr_id`, no buffers) or [`CompletionQueue::poll_raw`].
     pub unsafe fn post_send_raw(&mut self, wr: &mut ibv_send_wr) -> Result<()> {
-        let mut p: *const ibv_send_wr = wr;
-        while !p.is_null() {
-            // SAFETY: (1): every element of the chain is valid.
-            let w = unsafe { &*p };
-            if w.wr_id & 1 == 0 {
-                return Err(Error::InvalidRequest(
-                    "raw wr_id must be odd (even ids belong to the safe layer)",
-                ));
-            }
-            p = w.next;
-        }
+        // SAFETY: (1): `wr` heads a valid, NULL-terminated chain.
+        unsafe { check_raw_ids::<ibv_send_wr>(wr, |w| (w.wr_id, w.next.cast_const())) }?;
         let mut bad = std::ptr::null_mut();
         // SAFETY: the QP is live; the chain's validity is the caller's contract.
         let rc = unsafe { ops::post_send(self.core.qp, wr, &mut bad) };
@@ -833,17 +824,8 @@ impl<T: Transport> QueuePair<T> {
     /// As [`post_send_raw`](Self::post_send_raw), for receive work requests (the device
     /// writes the memory).
     pub unsafe fn post_recv_raw(&mut self, wr: &mut ibv_recv_wr) -> Result<()> {
-        let mut p: *const ibv_recv_wr = wr;
-        while !p.is_null() {
-            // SAFETY: (1): every element of the chain is valid.
-            let w = unsafe { &*p };
-            if w.wr_id & 1 == 0 {
-                return Err(Error::InvalidRequest(
-                    "raw wr_id must be odd (even ids belong to the safe layer)",
-                ));
-            }
-            p = w.next;
-        }
+        // SAFETY: (1): `wr` heads a valid, NULL-terminated chain.
+        unsafe { check_raw_ids::<ibv_recv_wr>(wr, |w| (w.wr_id, w.next.cast_const())) }?;
         let mut bad = std::ptr::null_mut();
         // SAFETY: the QP is live; the chain's validity is the caller's contract.
         let rc = unsafe { ops::post_recv(self.core.qp, wr, &mut bad) };
@@ -878,5 +860,53 @@ impl CompletionQueue {
             return Err(Error::PollCq(rc_error(n)));
         }
         Ok(n as usize)
+    }
+}
+
+/// Refuses a raw work-request chain holding an even `wr_id`: even ids are the safe layer's
+/// slot addresses, and a raw one would be taken for a slot when its completion is polled.
+///
+/// # Safety
+/// `first` heads a valid, NULL-terminated chain whose `(wr_id, next)` `link` reads.
+unsafe fn check_raw_ids<W>(first: *const W, link: impl Fn(&W) -> (u64, *const W)) -> Result<()> {
+    let mut p = first;
+    while !p.is_null() {
+        // SAFETY: every element of the chain is valid (the caller's contract).
+        let (id, next) = link(unsafe { &*p });
+        if id & 1 == 0 {
+            return Err(Error::InvalidRequest(
+                "raw wr_id must be odd (even ids belong to the safe layer)",
+            ));
+        }
+        p = next;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod raw_id_tests {
+    use super::*;
+
+    fn wr(wr_id: u64, next: *mut ibv_recv_wr) -> ibv_recv_wr {
+        ibv_recv_wr {
+            wr_id,
+            next,
+            sg_list: std::ptr::null_mut(),
+            num_sge: 0,
+        }
+    }
+
+    #[test]
+    fn an_even_id_anywhere_in_the_chain_is_refused() {
+        let mut last = wr(4, std::ptr::null_mut());
+        let first = wr(3, &mut last);
+        let link = |w: &ibv_recv_wr| (w.wr_id, w.next.cast_const());
+        // SAFETY: both elements are live locals and the chain ends in NULL.
+        let r = unsafe { check_raw_ids(&first, link) };
+        assert!(matches!(r, Err(Error::InvalidRequest(_))), "{r:?}");
+        last.wr_id = 5;
+        let first = wr(3, &mut last);
+        // SAFETY: as above.
+        assert!(unsafe { check_raw_ids(&first, link) }.is_ok());
     }
 }
