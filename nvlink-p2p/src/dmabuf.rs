@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys;
 
-use crate::driver::check;
+use crate::driver::{check, is_refusal, refused};
 use crate::error::{DriverVersion, Error, Result};
 use crate::memory::{range_ptr, DeviceMemory};
 
@@ -75,7 +75,10 @@ impl DmaBuf {
     /// # Errors
     /// [`Error::OutOfBounds`]; [`Error::DriverTooOld`] / [`Error::MissingSymbol`] before CUDA
     /// 11.7; [`Error::Unsupported`] when the device or kernel cannot export DMA-BUF (needs the
-    /// open GPU kernel modules and Linux 5.12+); [`Error::InvalidArgument`] when the enclosing
+    /// open GPU kernel modules and Linux 5.12+); [`Error::Refused`] (with the driver's code)
+    /// when the driver or a sandbox refuses the export although the device attribute claims
+    /// support (`CUDA_ERROR_NOT_SUPPORTED`, `_NOT_PERMITTED`, `_OPERATING_SYSTEM`);
+    /// [`Error::InvalidArgument`] when the enclosing
     /// pages leave the mapping; [`Error::Driver`].
     pub fn export<M: DeviceMemory + 'static>(
         memory: &Arc<M>,
@@ -108,11 +111,11 @@ impl DmaBuf {
             memory.len() as u64,
             page_size(),
         )?;
-        device.bind()?;
+        let _ctx = device.bind()?;
         let mut fd: libc::c_int = -1;
         // SAFETY: for DMA_BUF_FD the driver writes one int through the pointer; the range is
         // page aligned and inside a live mapping (checked above).
-        check("cuMemGetHandleForAddressRange", unsafe {
+        let r = unsafe {
             sys::cuMemGetHandleForAddressRange(
                 (&mut fd as *mut libc::c_int).cast::<c_void>(),
                 start,
@@ -120,7 +123,17 @@ impl DmaBuf {
                 sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
                 0,
             )
-        })?;
+        };
+        // The device attribute can say yes while the platform or a sandbox in front of the
+        // driver still refuses the export: that is "not here", with the driver's code.
+        if is_refusal(r) {
+            return Err(refused(
+                "DMA-BUF export",
+                "cuMemGetHandleForAddressRange",
+                r,
+            ));
+        }
+        check("cuMemGetHandleForAddressRange", r)?;
         // SAFETY: the driver returned a new fd that we own.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
         Ok(DmaBuf {

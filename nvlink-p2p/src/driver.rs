@@ -9,6 +9,7 @@
 
 use std::ffi::{c_void, CString};
 use std::fmt;
+use std::mem::ManuallyDrop;
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{sys, CudaContext};
@@ -77,12 +78,93 @@ pub(crate) fn check(call: &'static str, r: sys::CUresult) -> Result<()> {
     }
 }
 
+/// Whether `r` is how a driver (or a sandbox in front of it) says "not here": not supported,
+/// not permitted, or an operating-system refusal.
+pub(crate) fn is_refusal(r: sys::CUresult) -> bool {
+    matches!(
+        r,
+        sys::CUresult::CUDA_ERROR_NOT_SUPPORTED
+            | sys::CUresult::CUDA_ERROR_NOT_PERMITTED
+            | sys::CUresult::CUDA_ERROR_OPERATING_SYSTEM
+    )
+}
+
+/// [`Error::Refused`] for `feature`, keeping the driver's code.
+pub(crate) fn refused(feature: &'static str, call: &'static str, r: sys::CUresult) -> Error {
+    Error::Refused {
+        feature,
+        call,
+        code: r as u32,
+        name: format!("{r:?}"),
+    }
+}
+
 pub(crate) fn driver_error(call: &'static str, r: sys::CUresult) -> Error {
     Error::Driver {
         call,
         code: r as u32,
         name: format!("{r:?}"),
     }
+}
+
+/// The context that was current on this thread before one of this crate's calls, made
+/// current again when the guard drops: every call leaves the caller's binding as it found it,
+/// so code on the same thread that uses the CUDA runtime (PyTorch, for one) is not disturbed.
+///
+/// Unlike cudarc's `bind_to_thread`, taking the guard does not read (and so consume) an error
+/// that cudarc recorded for an earlier, unrelated call: `Drop` impls that release memory run
+/// even while such an error is pending, and the error stays there for whoever asks.
+#[must_use = "the previous context is restored when the guard drops"]
+pub(crate) struct CurrentContext {
+    previous: sys::CUcontext,
+    changed: bool,
+}
+
+impl CurrentContext {
+    /// Makes `ctx` current (if it is not already) until the guard drops.
+    pub(crate) fn enter(ctx: sys::CUcontext) -> Result<Self> {
+        let mut guard = Self::save()?;
+        if guard.previous != ctx {
+            // SAFETY: `ctx` is a live context (held by the caller's Device).
+            check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(ctx) })?;
+            guard.changed = true;
+        }
+        Ok(guard)
+    }
+
+    /// Remembers the current context, to be restored on drop (for calls into cudarc, which
+    /// binds its own context and leaves it bound).
+    pub(crate) fn save() -> Result<Self> {
+        let mut previous: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; the driver is initialised (Cuda::init ran).
+        check("cuCtxGetCurrent", unsafe {
+            sys::cuCtxGetCurrent(&mut previous)
+        })?;
+        Ok(CurrentContext {
+            previous,
+            changed: false,
+        })
+    }
+}
+
+impl Drop for CurrentContext {
+    fn drop(&mut self) {
+        let mut now: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: valid out-pointer.
+        let r = unsafe { sys::cuCtxGetCurrent(&mut now) };
+        if self.changed || r != sys::CUresult::CUDA_SUCCESS || now != self.previous {
+            // SAFETY: `previous` was current when the guard was taken (a context the caller
+            // owns, or null, which unbinds); restoring it is what the caller expects.
+            let _ = unsafe { sys::cuCtxSetCurrent(self.previous) };
+        }
+    }
+}
+
+/// Runs `f` (a call into cudarc, which binds contexts itself) and restores the thread's
+/// current context afterwards.
+pub(crate) fn keeping_current<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
+    let _saved = CurrentContext::save()?;
+    f()
 }
 
 /// Converts an error from cudarc's safe layer.
@@ -280,12 +362,13 @@ impl Cuda {
                 count: self.info.device_count,
             });
         }
-        let ctx =
-            CudaContext::new(ordinal).map_err(|e| cudarc_error("cuDevicePrimaryCtxRetain", e))?;
+        let ctx = keeping_current(|| {
+            CudaContext::new(ordinal).map_err(|e| cudarc_error("cuDevicePrimaryCtxRetain", e))
+        })?;
         Ok(Device {
             cuda: *self,
             ordinal,
-            ctx,
+            ctx: ManuallyDrop::new(ctx),
         })
     }
 
@@ -305,7 +388,27 @@ impl Cuda {
 pub struct Device {
     cuda: Cuda,
     ordinal: usize,
-    ctx: Arc<CudaContext>,
+    /// Dropped by hand in `Drop`, under a guard: cudarc binds the context to release it.
+    ctx: ManuallyDrop<Arc<CudaContext>>,
+}
+
+impl Drop for Device {
+    fn drop(&mut self) {
+        let saved = CurrentContext::save();
+        // SAFETY: dropped exactly once, here; the field is not used afterwards.
+        let ctx = unsafe { ManuallyDrop::take(&mut self.ctx) };
+        let raw = ctx.cu_ctx();
+        let last = Arc::strong_count(&ctx) == 1;
+        drop(ctx);
+        if let Ok(mut saved) = saved {
+            if last && saved.previous == raw {
+                // The caller's context is the one just released: leave the thread unbound
+                // rather than bind a dead context.
+                saved.previous = std::ptr::null_mut();
+                saved.changed = true;
+            }
+        }
+    }
 }
 
 impl fmt::Debug for Device {
@@ -338,10 +441,10 @@ impl Device {
         self.ctx.is_primary()
     }
 
-    pub(crate) fn bind(&self) -> Result<()> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| cudarc_error("cuCtxSetCurrent", e))
+    /// Makes this device's context current until the returned guard drops (see
+    /// [`CurrentContext`]).
+    pub(crate) fn bind(&self) -> Result<CurrentContext> {
+        CurrentContext::enter(self.ctx.cu_ctx())
     }
 
     /// The device name, e.g. `NVIDIA H200`.
@@ -399,6 +502,7 @@ impl Device {
                 symbol: "cuCtxCreate_v2",
             });
         }
+        let _saved = CurrentContext::save()?;
         let dev = self.ctx.cu_device();
         let mut raw: sys::CUcontext = std::ptr::null_mut();
         // SAFETY: symbol present; valid out-pointer; flags 0 = CU_CTX_SCHED_AUTO.
@@ -415,7 +519,7 @@ impl Device {
         Ok(Device {
             cuda: self.cuda,
             ordinal: self.ordinal,
-            ctx,
+            ctx: ManuallyDrop::new(ctx),
         })
     }
 

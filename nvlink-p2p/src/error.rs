@@ -88,6 +88,27 @@ pub enum Error {
         /// Why not.
         reason: String,
     },
+    /// The driver refused a feature on this machine: the device attribute may claim support,
+    /// but the platform, a missing system service (IMEX for fabric handles) or a sandbox
+    /// around the driver (gVisor's GPU proxy, for one) says no. Not a bug of the caller; the
+    /// driver's code is kept.
+    #[error("{feature} is not available here: {call} returned {name} ({code}), refused by the driver or the sandbox around it")]
+    Refused {
+        /// What was asked for.
+        feature: &'static str,
+        /// The driver entry point that refused.
+        call: &'static str,
+        /// The raw `CUresult`.
+        code: u32,
+        /// The `CUresult` name, e.g. `CUDA_ERROR_NOT_SUPPORTED`.
+        name: String,
+    },
+    /// A legacy IPC handle opened in the process that exported it: the driver refuses that
+    /// (`CUDA_ERROR_INVALID_CONTEXT`), so it is caught before the call.
+    #[error(
+        "this legacy IPC handle was exported by this very process, where the CUDA driver cannot          open it: use the exporting DeviceBuffer directly"
+    )]
+    IpcHandleFromThisProcess,
     /// A CUDA driver call failed.
     #[error("{call} failed: {name} ({code})")]
     Driver {
@@ -181,6 +202,19 @@ pub enum Error {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
+    /// Whether the error says "this machine does not offer that" (a driver too old, a missing
+    /// entry point, a device or platform without the feature, a refusal by the driver or its
+    /// sandbox) rather than that something went wrong.
+    pub fn is_unavailable_here(&self) -> bool {
+        matches!(
+            self,
+            Error::DriverTooOld { .. }
+                | Error::MissingSymbol { .. }
+                | Error::Unsupported { .. }
+                | Error::Refused { .. }
+        )
+    }
+
     pub(crate) fn io(op: &'static str, source: io::Error) -> Self {
         Error::Io { op, source }
     }

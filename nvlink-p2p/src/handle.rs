@@ -1,7 +1,7 @@
 //! Wire formats of the handles exchanged between processes.
 //!
 //! Every handle is encoded as a fixed-size little-endian record with an 8-byte header:
-//! the magic `NVP2`, a format version (1), a kind byte and two reserved zero bytes.
+//! the magic `NVP2`, a format version (2), a kind byte and two reserved zero bytes.
 //! `decode` functions are pure: they take bytes from an untrusted peer and return a typed
 //! [`DecodeError`] on anything malformed (a fuzz target calls them directly).
 //!
@@ -12,8 +12,9 @@ use std::fmt;
 
 /// The four magic bytes that start every encoded handle.
 pub const MAGIC: [u8; 4] = *b"NVP2";
-/// The wire-format version this crate writes and reads.
-pub const FORMAT_VERSION: u8 = 1;
+/// The wire-format version this crate writes and reads (2: the IPC memory handle carries the
+/// exporter's allocation id).
+pub const FORMAT_VERSION: u8 = 2;
 const HEADER_LEN: usize = 8;
 
 /// Why bytes did not decode as a handle.
@@ -155,19 +156,35 @@ pub struct IpcMemHandle {
     pub(crate) raw: [u8; 64],
     pub(crate) len: u64,
     pub(crate) device_uuid: [u8; 16],
+    pub(crate) allocation_id: u64,
 }
 
 impl IpcMemHandle {
     /// Size of the encoded record.
-    pub const ENCODED_LEN: usize = HEADER_LEN + 64 + 8 + 16;
+    pub const ENCODED_LEN: usize = HEADER_LEN + 64 + 8 + 16 + 8;
 
-    /// Builds a handle from its parts (the raw bytes come from `cuIpcGetMemHandle`).
+    /// Builds a handle from its parts (the raw bytes come from `cuIpcGetMemHandle`), with
+    /// allocation id 0 (see [`IpcMemHandle::with_allocation_id`]).
     pub fn from_parts(raw: [u8; 64], len: u64, device_uuid: [u8; 16]) -> Self {
         IpcMemHandle {
             raw,
             len,
             device_uuid,
+            allocation_id: 0,
         }
+    }
+
+    /// The same handle naming allocation `id` of its exporter.
+    pub fn with_allocation_id(mut self, id: u64) -> Self {
+        self.allocation_id = id;
+        self
+    }
+
+    /// An id the exporter gives each allocation it exports (random per process, then
+    /// counted), so that an importer can tell two allocations apart even when the driver's
+    /// 64 handle bytes repeat (memory freed and allocated again at the same place).
+    pub fn allocation_id(&self) -> u64 {
+        self.allocation_id
     }
 
     /// The opaque 64-byte `CUipcMemHandle`.
@@ -197,6 +214,7 @@ impl IpcMemHandle {
         out[8..72].copy_from_slice(&self.raw);
         out[72..80].copy_from_slice(&self.len.to_le_bytes());
         out[80..96].copy_from_slice(&self.device_uuid);
+        out[96..104].copy_from_slice(&self.allocation_id.to_le_bytes());
         out
     }
 
@@ -210,6 +228,7 @@ impl IpcMemHandle {
             raw: array_at(b, 0),
             len: size_field(u64_at(b, 64))?,
             device_uuid: array_at(b, 72),
+            allocation_id: u64_at(b, 88),
         })
     }
 }
@@ -220,6 +239,7 @@ impl fmt::Debug for IpcMemHandle {
             .field("raw", &Hex(&self.raw[..16]))
             .field("len", &self.len)
             .field("device_uuid", &Hex(&self.device_uuid))
+            .field("allocation_id", &format_args!("{:#x}", self.allocation_id))
             .finish()
     }
 }
@@ -489,10 +509,10 @@ mod tests {
             Err(DecodeError::BadMagic(*b"XVP2"))
         );
         let mut b = good;
-        b[4] = 2;
+        b[4] = 1;
         let e = IpcEventHandle::decode(&b).unwrap_err();
-        assert_eq!(e, DecodeError::UnsupportedVersion(2));
-        assert!(e.to_string().contains("version 2"), "{e}");
+        assert_eq!(e, DecodeError::UnsupportedVersion(1));
+        assert!(e.to_string().contains("version 1"), "{e}");
         let mut b = good;
         b[6] = 1;
         assert_eq!(
@@ -504,9 +524,9 @@ mod tests {
     #[test]
     fn kinds_are_not_interchangeable() {
         let mem = IpcMemHandle::from_parts(pattern(3), 64, pattern(9)).encode();
-        // Same length as a fabric handle, different kind byte.
+        // The first fabric-handle-sized bytes of it: the same layout, a different kind byte.
         assert_eq!(
-            FabricHandle::decode(&mem),
+            FabricHandle::decode(&mem[..FabricHandle::ENCODED_LEN]),
             Err(DecodeError::WrongKind {
                 expected: "fabric handle",
                 got: 1
@@ -544,7 +564,7 @@ mod tests {
             state ^= state << 13;
             state ^= state >> 7;
             state ^= state << 17;
-            let len = [72, 96, 40, round % 128][round % 4];
+            let len = [72, 104, 40, round % 128][round % 4];
             let mut buf = vec![0u8; len];
             for (i, b) in buf.iter_mut().enumerate() {
                 *b = (state >> ((i % 8) * 8)) as u8 ^ i as u8;

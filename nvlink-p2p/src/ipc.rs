@@ -5,25 +5,75 @@
 //! [`IpcMapping`] shares the existing mapping (a lock and a hash lookup), and the handle is
 //! closed (`cuIpcCloseMemHandle`, never `cuMemFree`) when the last mapping drops.
 //!
+//! The cache key is the context, the 64 handle bytes *and* the exporter's allocation id
+//! ([`IpcMemHandle::allocation_id`]): the driver's handle bytes can repeat when the exporter
+//! frees an allocation and makes a new one at the same place, and a key of the bytes alone
+//! would then hand back the stale mapping of the old memory.
+//!
+//! A handle cannot be opened in the process that exported it (the driver refuses with
+//! `CUDA_ERROR_INVALID_CONTEXT`): this process remembers the allocations it exported and
+//! returns [`Error::IpcHandleFromThisProcess`] before calling the driver.
+//!
 //! The cross-process contract that no type system can enforce: the exporting process must
 //! keep the allocation alive until every importer has dropped its mapping (exchange a
-//! message over the socket you sent the handle on).
+//! message over the socket you sent the handle on; fabric-core's cuda-ipc backend does).
 #![allow(unsafe_code)]
 
+use std::collections::HashSet;
 use std::ffi::c_void;
 use std::fmt;
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
 
 use cudarc::driver::{sys, CudaSlice, DevicePtr};
 
 use crate::cache::{CacheStats, RefCache};
-use crate::driver::{check, cudarc_error, Device};
+use crate::driver::{check, cudarc_error, CurrentContext, Device};
 use crate::error::{Error, Result};
 use crate::handle::{IpcEventHandle, IpcMemHandle};
 use crate::memory::{DeviceBuffer, DeviceMemory, Sealed};
 use crate::stream::Stream;
 
-type Key = (usize, [u8; 64]);
+/// Context, handle bytes, exporter's allocation id.
+type Key = (usize, [u8; 64], u64);
+
+/// A fresh allocation id: a random start per process, then counted (never 0).
+pub(crate) fn next_allocation_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    static START: OnceLock<u64> = OnceLock::new();
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let start = *START.get_or_init(|| {
+        // std's hasher keys are random per process.
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u32(std::process::id());
+        h.finish()
+    });
+    match start.wrapping_add(NEXT.fetch_add(1, Ordering::Relaxed)) {
+        0 => start.wrapping_add(NEXT.fetch_add(1, Ordering::Relaxed)),
+        id => id,
+    }
+}
+
+/// The allocation ids this process exported and has not freed.
+fn exported() -> &'static Mutex<HashSet<u64>> {
+    static E: OnceLock<Mutex<HashSet<u64>>> = OnceLock::new();
+    E.get_or_init(|| Mutex::new(HashSet::new()))
+}
+
+pub(crate) fn forget_export(id: u64) {
+    exported()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(&id);
+}
+
+fn exported_here(id: u64) -> bool {
+    id != 0
+        && exported()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(&id)
+}
 
 /// Value: the mapped pointer and the mapping's real size.
 fn cache() -> &'static RefCache<Key, (u64, usize)> {
@@ -61,8 +111,9 @@ fn from_memory_pool(ptr: u64) -> bool {
     r == sys::CUresult::CUDA_SUCCESS && !pool.is_null()
 }
 
-/// Exports the allocation starting at `ptr` (context of `uuid`'s device current).
-fn export(ptr: u64, uuid: [u8; 16]) -> Result<IpcMemHandle> {
+/// Exports the allocation starting at `ptr` (context of `uuid`'s device current) under
+/// allocation id `id`.
+fn export(ptr: u64, uuid: [u8; 16], id: u64) -> Result<IpcMemHandle> {
     if from_memory_pool(ptr) {
         return Err(Error::StreamOrderedAllocation);
     }
@@ -80,11 +131,14 @@ fn export(ptr: u64, uuid: [u8; 16]) -> Result<IpcMemHandle> {
     check("cuIpcGetMemHandle", unsafe {
         sys::cuIpcGetMemHandle(&mut h, ptr)
     })?;
-    Ok(IpcMemHandle::from_parts(
-        h.reserved.map(|c| c as u8),
-        size as u64,
-        uuid,
-    ))
+    exported()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(id);
+    Ok(
+        IpcMemHandle::from_parts(h.reserved.map(|c| c as u8), size as u64, uuid)
+            .with_allocation_id(id),
+    )
 }
 
 impl DeviceBuffer {
@@ -93,8 +147,10 @@ impl DeviceBuffer {
     /// # Errors
     /// [`Error::Driver`] (e.g. on platforms without legacy IPC).
     pub fn ipc_handle(&self) -> Result<IpcMemHandle> {
-        self.device().bind()?;
-        export(self.device_ptr(), self.device().uuid()?)
+        let _ctx = self.device().bind()?;
+        let h = export(self.device_ptr(), self.device().uuid()?, self.id)?;
+        self.exported.store(true, Ordering::Relaxed);
+        Ok(h)
     }
 }
 
@@ -104,19 +160,21 @@ impl DeviceBuffer {
 /// pools; such memory cannot be exported and is refused with
 /// [`Error::StreamOrderedAllocation`] (use [`DeviceBuffer`] instead).
 ///
+/// This crate cannot see when cudarc frees the slice, so each call gives the handle a new
+/// allocation id: export a slice once and share that handle.
+///
 /// # Errors
 /// [`Error::StreamOrderedAllocation`], [`Error::NotAllocationBase`], [`Error::Driver`].
 pub fn ipc_handle_of_cudarc_slice<T>(slice: &CudaSlice<T>) -> Result<IpcMemHandle> {
     let ctx = slice.context();
-    ctx.bind_to_thread()
-        .map_err(|e| cudarc_error("cuCtxSetCurrent", e))?;
+    let _ctx = CurrentContext::enter(ctx.cu_ctx())?;
     let uuid = ctx
         .uuid()
         .map_err(|e| cudarc_error("cuDeviceGetUuid", e))?
         .bytes
         .map(|b| b as u8);
     let (ptr, _sync) = slice.device_ptr(slice.stream());
-    export(ptr, uuid)
+    export(ptr, uuid, next_allocation_id())
 }
 
 impl IpcMemHandle {
@@ -125,13 +183,21 @@ impl IpcMemHandle {
     /// existing mapping is shared (see [`IpcMapping::was_cached`]).
     ///
     /// # Errors
-    /// [`Error::Driver`] when the driver rejects the handle (forged bytes, exporter gone,
-    /// same process as the exporter); [`Error::InvalidArgument`] when the handle claims
-    /// more bytes than the mapped allocation has.
+    /// [`Error::IpcHandleFromThisProcess`] for a handle this process exported;
+    /// [`Error::Driver`] when the driver rejects the handle (forged bytes, exporter gone);
+    /// [`Error::InvalidArgument`] when the handle claims more bytes than the mapped
+    /// allocation has.
     pub fn open(&self, device: &Device) -> Result<IpcMapping> {
-        let key = (device.context().cu_ctx() as usize, *self.raw());
+        if exported_here(self.allocation_id()) {
+            return Err(Error::IpcHandleFromThisProcess);
+        }
+        let key = (
+            device.context().cu_ctx() as usize,
+            *self.raw(),
+            self.allocation_id(),
+        );
         let ((ptr, real), hit) = cache().acquire(&key, || {
-            device.bind()?;
+            let _ctx = device.bind()?;
             let h = sys::CUipcMemHandle {
                 reserved: self.raw().map(|b| b as std::ffi::c_char),
             };
@@ -213,7 +279,7 @@ impl Drop for IpcMapping {
     fn drop(&mut self) {
         let device = &self.device;
         cache().release(&self.key, |(ptr, _)| {
-            if device.bind().is_ok() {
+            if let Ok(_ctx) = device.bind() {
                 // SAFETY: `ptr` came from cuIpcOpenMemHandle in this context and this was the
                 // last reference to it; it is closed exactly once.
                 let _ = unsafe { sys::cuIpcCloseMemHandle(ptr) };
@@ -252,7 +318,7 @@ impl IpcEvent {
     /// # Errors
     /// [`Error::Driver`].
     pub fn new(device: &Device) -> Result<Self> {
-        device.bind()?;
+        let _ctx = device.bind()?;
         let flags = sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32
             | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
         let mut event = std::ptr::null_mut();
@@ -271,7 +337,7 @@ impl IpcEvent {
     /// # Errors
     /// [`Error::Driver`].
     pub fn handle(&self) -> Result<IpcEventHandle> {
-        self.device.bind()?;
+        let _ctx = self.device.bind()?;
         // SAFETY: plain bytes.
         let mut h: sys::CUipcEventHandle = unsafe { std::mem::zeroed() };
         // SAFETY: valid out-pointer; the event is live and interprocess.
@@ -291,7 +357,7 @@ impl IpcEvent {
                 "an event can only be recorded on a stream of its own context".into(),
             ));
         }
-        self.device.bind()?;
+        let _ctx = self.device.bind()?;
         // SAFETY: event and stream are live and belong to the current context.
         check("cuEventRecord", unsafe {
             sys::cuEventRecord(self.event, stream.cu_stream())
@@ -303,7 +369,7 @@ impl IpcEvent {
     /// # Errors
     /// [`Error::Driver`] if that work failed.
     pub fn query(&self) -> Result<bool> {
-        self.device.bind()?;
+        let _ctx = self.device.bind()?;
         // SAFETY: the event is live.
         match unsafe { sys::cuEventQuery(self.event) } {
             sys::CUresult::CUDA_SUCCESS => Ok(true),
@@ -317,7 +383,7 @@ impl IpcEvent {
     /// # Errors
     /// [`Error::Driver`].
     pub fn synchronize(&self) -> Result<()> {
-        self.device.bind()?;
+        let _ctx = self.device.bind()?;
         // SAFETY: the event is live.
         check("cuEventSynchronize", unsafe {
             sys::cuEventSynchronize(self.event)
@@ -332,7 +398,7 @@ impl IpcEvent {
 
 impl Drop for IpcEvent {
     fn drop(&mut self) {
-        if self.device.bind().is_ok() {
+        if let Ok(_ctx) = self.device.bind() {
             // SAFETY: created or opened by us, destroyed once (opened IPC events are
             // released with cuEventDestroy too).
             let _ = unsafe { sys::cuEventDestroy_v2(self.event) };
@@ -346,7 +412,7 @@ impl IpcEventHandle {
     /// # Errors
     /// [`Error::Driver`] when the driver rejects the handle.
     pub fn open(&self, device: &Device) -> Result<IpcEvent> {
-        device.bind()?;
+        let _ctx = device.bind()?;
         let h = sys::CUipcEventHandle {
             reserved: self.raw().map(|b| b as std::ffi::c_char),
         };

@@ -9,6 +9,7 @@
 #![allow(unsafe_code)]
 
 use std::fmt;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext};
@@ -49,7 +50,14 @@ pub(crate) fn range_ptr(mem: &dyn DeviceMemory, offset: usize, len: usize) -> Re
     }
 }
 
-/// Copies `src` from host memory into `dst` at `offset` (synchronous).
+/// Copies `src` from host memory into `dst` at `offset`, and returns only once the bytes are
+/// in device memory.
+///
+/// `cuMemcpyHtoD` from pageable memory returns as soon as the bytes are staged for DMA; the
+/// transfer then finishes on the legacy default stream, which this crate's non-blocking
+/// streams (and other processes) are not ordered after. So the copy is followed by a
+/// synchronization of that stream: a copy on another stream, or a peer process reading the
+/// memory through IPC, sees the new bytes.
 ///
 /// # Errors
 /// [`Error::OutOfBounds`], [`Error::Driver`].
@@ -58,11 +66,16 @@ pub fn copy_from_host(dst: &dyn DeviceMemory, offset: usize, src: &[u8]) -> Resu
     if src.is_empty() {
         return Ok(());
     }
-    dst.device().bind()?;
+    let _ctx = dst.device().bind()?;
     // SAFETY: `ptr..ptr+len` is inside a live mapping (range checked, `dst` borrowed);
     // `src` is a valid host slice for the whole synchronous call.
     check("cuMemcpyHtoD_v2", unsafe {
         sys::cuMemcpyHtoD_v2(ptr, src.as_ptr().cast(), src.len())
+    })?;
+    // SAFETY: the null stream is the legacy default stream of the current context, on which
+    // the staged copy above completes; synchronizing it has no other effect.
+    check("cuStreamSynchronize", unsafe {
+        sys::cuStreamSynchronize(std::ptr::null_mut())
     })
 }
 
@@ -75,7 +88,7 @@ pub fn copy_to_host(src: &dyn DeviceMemory, offset: usize, dst: &mut [u8]) -> Re
     if dst.is_empty() {
         return Ok(());
     }
-    src.device().bind()?;
+    let _ctx = src.device().bind()?;
     // SAFETY: the device range is live and in bounds; `dst` is a valid, exclusively borrowed
     // host slice for the whole synchronous call.
     check("cuMemcpyDtoH_v2", unsafe {
@@ -90,7 +103,7 @@ pub fn copy_to_host(src: &dyn DeviceMemory, offset: usize, dst: &mut [u8]) -> Re
 /// [`Error::OutOfBounds`], [`Error::Driver`].
 pub fn fill(mem: &dyn DeviceMemory, offset: usize, len: usize, value: u8) -> Result<()> {
     let ptr = range_ptr(mem, offset, len)?;
-    mem.device().bind()?;
+    let _ctx = mem.device().bind()?;
     // SAFETY: the device range is live and in bounds.
     check("cuMemsetD8_v2", unsafe {
         sys::cuMemsetD8_v2(ptr, value, len)
@@ -107,6 +120,10 @@ pub struct DeviceBuffer {
     device: Device,
     ptr: u64,
     len: usize,
+    /// The allocation id its IPC handles carry.
+    pub(crate) id: u64,
+    /// Whether an IPC handle was exported (so the export registry is told on drop).
+    pub(crate) exported: AtomicBool,
 }
 
 impl fmt::Debug for DeviceBuffer {
@@ -131,7 +148,7 @@ impl DeviceBuffer {
                 "a device allocation needs at least one byte".into(),
             ));
         }
-        device.bind()?;
+        let _ctx = device.bind()?;
         let mut ptr = 0;
         // SAFETY: valid out-pointer; the device's context is current.
         check("cuMemAlloc_v2", unsafe {
@@ -141,6 +158,8 @@ impl DeviceBuffer {
             device: device.clone(),
             ptr,
             len,
+            id: crate::ipc::next_allocation_id(),
+            exported: AtomicBool::new(false),
         })
     }
 
@@ -192,8 +211,12 @@ impl DeviceMemory for DeviceBuffer {
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
         // Async copies hold an Arc of the buffer until they complete, so nothing of ours
-        // uses it now. Errors cannot be reported from drop; cudarc records sticky ones.
-        if self.device.bind().is_ok() {
+        // uses it now. Errors cannot be reported from drop. Binding does not consult cudarc's
+        // recorded (sticky) error, so an unrelated earlier failure does not leak the memory.
+        if *self.exported.get_mut() {
+            crate::ipc::forget_export(self.id);
+        }
+        if let Ok(_ctx) = self.device.bind() {
             // SAFETY: `ptr` came from cuMemAlloc in this context and is freed exactly once.
             let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
         }

@@ -106,7 +106,7 @@ impl Device {
         }
         let k = key(self, peer);
         registry().acquire(&k, || {
-            self.bind()?;
+            let _ctx = self.bind()?;
             // SAFETY: both contexts are live (held by self/peer); flags must be 0.
             let r = unsafe { sys::cuCtxEnablePeerAccess(peer.context().cu_ctx(), 0) };
             match r {
@@ -128,7 +128,7 @@ impl Drop for PeerAccess {
         let Some(k) = self.key else { return };
         let (from, to) = (&self.from, &self.to);
         registry().release(&k, |()| {
-            if from.bind().is_ok() {
+            if let Ok(_ctx) = from.bind() {
                 // SAFETY: both contexts are live (held by this guard).
                 let _ = unsafe { sys::cuCtxDisablePeerAccess(to.context().cu_ctx()) };
             }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaEvent, CudaStream};
 
-use crate::driver::{check, cudarc_error, Device};
+use crate::driver::{check, cudarc_error, keeping_current, CurrentContext, Device};
 use crate::error::{Error, Result};
 use crate::memory::{range_ptr, DeviceMemory};
 use crate::peer;
@@ -16,7 +16,16 @@ use crate::peer;
 #[derive(Clone)]
 pub struct Stream {
     device: Device,
-    inner: Arc<CudaStream>,
+    /// `Some` until drop (taken there so cudarc's destroy runs under a context guard).
+    inner: Option<Arc<CudaStream>>,
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        // cudarc binds the stream's context to destroy it; put the caller's back afterwards.
+        let _saved = CurrentContext::save();
+        drop(self.inner.take());
+    }
 }
 
 impl fmt::Debug for Stream {
@@ -29,13 +38,15 @@ impl fmt::Debug for Stream {
 
 impl Stream {
     pub(crate) fn new(device: &Device) -> Result<Self> {
-        let inner = device
-            .context()
-            .new_stream()
-            .map_err(|e| cudarc_error("cuStreamCreate", e))?;
+        let inner = keeping_current(|| {
+            device
+                .context()
+                .new_stream()
+                .map_err(|e| cudarc_error("cuStreamCreate", e))
+        })?;
         Ok(Stream {
             device: device.clone(),
-            inner,
+            inner: Some(inner),
         })
     }
 
@@ -46,12 +57,12 @@ impl Stream {
 
     /// The cudarc stream, for cudarc interop (timing events, kernels).
     pub fn as_cudarc(&self) -> &Arc<CudaStream> {
-        &self.inner
+        self.inner.as_ref().expect("present until drop")
     }
 
     /// The raw `CUstream`.
     pub fn cu_stream(&self) -> sys::CUstream {
-        self.inner.cu_stream()
+        self.as_cudarc().cu_stream()
     }
 
     /// Blocks until all work queued on the stream has finished.
@@ -59,15 +70,17 @@ impl Stream {
     /// # Errors
     /// [`Error::Driver`].
     pub fn synchronize(&self) -> Result<()> {
-        self.inner
-            .synchronize()
-            .map_err(|e| cudarc_error("cuStreamSynchronize", e))
+        keeping_current(|| {
+            self.as_cudarc()
+                .synchronize()
+                .map_err(|e| cudarc_error("cuStreamSynchronize", e))
+        })
     }
 
     /// Makes later work on this stream wait for the last record of `event` (a live event
     /// owned by the caller).
     pub(crate) fn wait_raw_event(&self, event: sys::CUevent) -> Result<()> {
-        self.device.bind()?;
+        let _ctx = self.device.bind()?;
         // SAFETY: `event` is a live event handle (callers pass one they own), the stream is
         // live for the call.
         check("cuStreamWaitEvent", unsafe {
@@ -80,15 +93,17 @@ impl Stream {
     /// # Errors
     /// [`Error::Driver`].
     pub fn record(&self) -> Result<CudaEvent> {
-        let event = self
-            .device
-            .context()
-            .new_event(None)
-            .map_err(|e| cudarc_error("cuEventCreate", e))?;
-        event
-            .record(&self.inner)
-            .map_err(|e| cudarc_error("cuEventRecord", e))?;
-        Ok(event)
+        keeping_current(|| {
+            let event = self
+                .device
+                .context()
+                .new_event(None)
+                .map_err(|e| cudarc_error("cuEventCreate", e))?;
+            event
+                .record(self.as_cudarc())
+                .map_err(|e| cudarc_error("cuEventRecord", e))?;
+            Ok(event)
+        })
     }
 }
 
@@ -119,9 +134,11 @@ impl PendingCopy {
     /// # Errors
     /// [`Error::Driver`] if the copy failed.
     pub fn is_complete(&self) -> Result<bool> {
-        self.event()
-            .try_is_complete()
-            .map_err(|e| cudarc_error("cuEventQuery", e))
+        keeping_current(|| {
+            self.event()
+                .try_is_complete()
+                .map_err(|e| cudarc_error("cuEventQuery", e))
+        })
     }
 
     /// Blocks until the copy has finished and hands the buffers back to their owners.
@@ -130,17 +147,23 @@ impl PendingCopy {
     /// [`Error::Driver`] if the copy failed.
     pub fn wait(mut self) -> Result<()> {
         let event = self.event.take().expect("present until drop");
-        event
-            .synchronize()
-            .map_err(|e| cudarc_error("cuEventSynchronize", e))
+        keeping_current(|| {
+            let r = event
+                .synchronize()
+                .map_err(|e| cudarc_error("cuEventSynchronize", e));
+            drop(event);
+            r
+        })
     }
 }
 
 impl Drop for PendingCopy {
     fn drop(&mut self) {
         if let Some(event) = self.event.take() {
+            let _saved = CurrentContext::save();
             // Keep src/dst alive until the GPU is done with them.
             let _ = event.synchronize();
+            drop(event);
         }
     }
 }
@@ -178,7 +201,7 @@ where
             "the stream must belong to the source's or the destination's context".into(),
         ));
     }
-    stream.device().bind()?;
+    let _ctx = stream.device().bind()?;
     if ddev.same_context(sdev) {
         // SAFETY: both ranges are in bounds of live allocations, which the returned
         // PendingCopy keeps alive until the copy's event completes; the stream is live.

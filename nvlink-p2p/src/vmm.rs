@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys;
 
-use crate::driver::{check, driver_error, Device};
+use crate::driver::{check, driver_error, is_refusal, refused, Device};
 use crate::error::{DriverVersion, Error, Result};
 use crate::handle::{FabricHandle, ShareableHandleType, VmmDescriptor};
 use crate::memory::{DeviceMemory, Sealed};
@@ -117,6 +117,7 @@ pub struct VmmAllocation {
     handle: sys::CUmemGenericAllocationHandle,
     size: usize,
     handle_type: ShareableHandleType,
+    gpu_direct_rdma: bool,
 }
 
 impl fmt::Debug for VmmAllocation {
@@ -157,13 +158,20 @@ impl VmmAllocation {
             ));
         }
         require_vmm(device, t)?;
-        device.bind()?;
+        let _ctx = device.bind()?;
         let g = granularity_for(device, t)?;
         let size = size.div_ceil(g) * g;
-        let p = prop(device, t)?;
+        let mut p = prop(device, t)?;
         let mut handle = 0;
         // SAFETY: valid out-pointer and property struct; flags must be 0.
-        let r = unsafe { sys::cuMemCreate(&mut handle, size, &p, 0) };
+        let mut r = unsafe { sys::cuMemCreate(&mut handle, size, &p, 0) };
+        if r != sys::CUresult::CUDA_SUCCESS && p.allocFlags.gpuDirectRDMACapable != 0 {
+            // Some drivers (and sandboxes) claim GPUDirect RDMA with VMM but refuse the flag:
+            // the memory is still useful without it (it just cannot go to a NIC directly).
+            p.allocFlags.gpuDirectRDMACapable = 0;
+            // SAFETY: as above.
+            r = unsafe { sys::cuMemCreate(&mut handle, size, &p, 0) };
+        }
         if r != sys::CUresult::CUDA_SUCCESS {
             if t == ShareableHandleType::Fabric
                 && matches!(
@@ -174,14 +182,9 @@ impl VmmAllocation {
                         | sys::CUresult::CUDA_ERROR_INVALID_DEVICE
                 )
             {
-                return Err(Error::Unsupported {
-                    feature: "fabric handles",
-                    reason: format!(
-                        "cuMemCreate with CU_MEM_HANDLE_TYPE_FABRIC returned {r:?}: the device attribute \
-                         claims support, but the system has no usable IMEX channel \
-                         (nvidia-imex daemon and /dev/nvidia-caps-imex-channels)"
-                    ),
-                });
+                // The device attribute claims support, but the system has no usable IMEX
+                // channel (nvidia-imex daemon and /dev/nvidia-caps-imex-channels).
+                return Err(refused("fabric handles", "cuMemCreate", r));
             }
             return Err(driver_error("cuMemCreate", r));
         }
@@ -190,7 +193,15 @@ impl VmmAllocation {
             handle,
             size,
             handle_type: t,
+            gpu_direct_rdma: p.allocFlags.gpuDirectRDMACapable != 0,
         }))
+    }
+
+    /// Whether the memory was created GPUDirect-RDMA capable (registrable with a NIC). False
+    /// when the device does not offer it, or the driver refused the flag (the allocation was
+    /// then retried without it); always false for imported allocations (unknown).
+    pub fn gpu_direct_rdma(&self) -> bool {
+        self.gpu_direct_rdma
     }
 
     /// The size in bytes (a multiple of the granularity).
@@ -232,7 +243,7 @@ impl VmmAllocation {
                 reason: "the allocation was created for fabric handles".into(),
             });
         }
-        self.device.bind()?;
+        let _ctx = self.device.bind()?;
         let mut fd: libc::c_int = -1;
         // SAFETY: for POSIX_FILE_DESCRIPTOR the driver writes one int through the pointer.
         check("cuMemExportToShareableHandle", unsafe {
@@ -258,7 +269,7 @@ impl VmmAllocation {
                 reason: "the allocation was created for POSIX-fd handles (use VmmAllocation::new_fabric)".into(),
             });
         }
-        self.device.bind()?;
+        let _ctx = self.device.bind()?;
         // SAFETY: plain bytes.
         let mut h: sys::CUmemFabricHandle = unsafe { std::mem::zeroed() };
         // SAFETY: for FABRIC the driver writes one CUmemFabricHandle through the pointer.
@@ -270,17 +281,9 @@ impl VmmAllocation {
                 0,
             )
         };
-        if matches!(
-            r,
-            sys::CUresult::CUDA_ERROR_NOT_PERMITTED | sys::CUresult::CUDA_ERROR_NOT_SUPPORTED
-        ) {
-            return Err(Error::Unsupported {
-                feature: "fabric handles",
-                reason: format!(
-                    "exporting a fabric handle returned {r:?}: no usable IMEX channel \
-                     (nvidia-imex daemon and /dev/nvidia-caps-imex-channels)"
-                ),
-            });
+        if is_refusal(r) {
+            // No usable IMEX channel (nvidia-imex daemon and /dev/nvidia-caps-imex-channels).
+            return Err(refused("fabric handles", "cuMemExportToShareableHandle", r));
         }
         check("cuMemExportToShareableHandle", r)?;
         Ok(FabricHandle::from_parts(
@@ -307,7 +310,8 @@ impl VmmAllocation {
             ));
         }
         require_vmm(device, ShareableHandleType::PosixFd)?;
-        device.bind()?;
+        let size = checked_peer_size(device, ShareableHandleType::PosixFd, desc.size)?;
+        let _ctx = device.bind()?;
         let mut handle = 0;
         // SAFETY: for POSIX_FILE_DESCRIPTOR the "pointer" is the fd value itself; the driver
         // validates it and does not take ownership.
@@ -321,8 +325,9 @@ impl VmmAllocation {
         Ok(Arc::new(VmmAllocation {
             device: device.clone(),
             handle,
-            size: desc.size as usize,
+            size,
             handle_type: ShareableHandleType::PosixFd,
+            gpu_direct_rdma: false,
         }))
     }
 
@@ -332,31 +337,41 @@ impl VmmAllocation {
     /// As [`VmmAllocation::new_fabric`].
     pub fn import_fabric(device: &Device, handle: &FabricHandle) -> Result<Arc<Self>> {
         require_vmm(device, ShareableHandleType::Fabric)?;
-        device.bind()?;
+        let size = checked_peer_size(device, ShareableHandleType::Fabric, handle.size())?;
+        let _ctx = device.bind()?;
         let mut raw = sys::CUmemFabricHandle {
             data: *handle.raw(),
         };
         let mut h = 0;
         // SAFETY: for FABRIC the driver reads one CUmemFabricHandle through the pointer.
-        check("cuMemImportFromShareableHandle", unsafe {
+        let r = unsafe {
             sys::cuMemImportFromShareableHandle(
                 &mut h,
                 (&mut raw as *mut sys::CUmemFabricHandle).cast::<c_void>(),
                 cu_type(ShareableHandleType::Fabric),
             )
-        })?;
+        };
+        if is_refusal(r) {
+            return Err(refused(
+                "fabric handles",
+                "cuMemImportFromShareableHandle",
+                r,
+            ));
+        }
+        check("cuMemImportFromShareableHandle", r)?;
         Ok(Arc::new(VmmAllocation {
             device: device.clone(),
             handle: h,
-            size: handle.size() as usize,
+            size,
             handle_type: ShareableHandleType::Fabric,
+            gpu_direct_rdma: false,
         }))
     }
 }
 
 impl Drop for VmmAllocation {
     fn drop(&mut self) {
-        if self.device.bind().is_ok() {
+        if let Ok(_ctx) = self.device.bind() {
             // SAFETY: the handle is ours and released once; mappings hold an Arc of us, so
             // none is left (and the driver would keep mapped memory alive anyway).
             let _ = unsafe { sys::cuMemRelease(self.handle) };
@@ -364,20 +379,53 @@ impl Drop for VmmAllocation {
     }
 }
 
-/// Whether fabric handles work on `device`, found by a real probe allocation.
+/// A size an importer got from a peer, checked before the driver sees it: non-zero, within
+/// the address space, and a multiple of the allocation granularity (a larger size than the
+/// real allocation is then refused by `cuMemMap`, a typed error, not a fault).
+fn checked_peer_size(device: &Device, t: ShareableHandleType, size: u64) -> Result<usize> {
+    let g = granularity_for(device, t)?;
+    match usize::try_from(size) {
+        Ok(s) if s != 0 && s % g == 0 => Ok(s),
+        _ => Err(Error::InvalidArgument(format!(
+            "a peer's VMM allocation size {size} is not a non-zero multiple of the \
+             {g}-byte allocation granularity"
+        ))),
+    }
+}
+
+/// Whether fabric handles work on `device`, found by a real probe: create a small fabric
+/// allocation, export it, import the handle again, and release both.
+///
+/// Any driver refusal along the way (no IMEX channel, a sandbox, an unsupported platform)
+/// is `Ok(Err(reason))`, "no fabric", with the step and the driver's code in the reason.
 ///
 /// # Errors
-/// [`Error::Driver`] for failures other than "unsupported".
+/// Only a failure to reach the device at all (its attributes or context).
 pub fn fabric_support(device: &Device) -> Result<std::result::Result<(), String>> {
-    let probe = VmmAllocation::new_fabric(device, 1).and_then(|a| a.export_fabric().map(|_| ()));
-    match probe {
-        Ok(()) => Ok(Ok(())),
-        Err(
+    let step = |what: &str, e: Error| -> Result<std::result::Result<(), String>> {
+        match e {
             e @ (Error::Unsupported { .. }
             | Error::DriverTooOld { .. }
-            | Error::MissingSymbol { .. }),
-        ) => Ok(Err(e.to_string())),
-        Err(e) => Err(e),
+            | Error::MissingSymbol { .. }
+            | Error::Refused { .. }
+            | Error::Driver { .. }) => Ok(Err(format!("{what}: {e}"))),
+            e => Err(e),
+        }
+    };
+    let alloc = match VmmAllocation::new_fabric(device, 1) {
+        Ok(a) => a,
+        Err(e) => return step("create", e),
+    };
+    let handle = match alloc.export_fabric() {
+        Ok(h) => h,
+        Err(e) => return step("export", e),
+    };
+    match VmmAllocation::import_fabric(device, &handle) {
+        Ok(imported) => {
+            drop(imported);
+            Ok(Ok(()))
+        }
+        Err(e) => step("import", e),
     }
 }
 
@@ -405,7 +453,7 @@ impl VmmMapping {
     /// [`Error::Driver`]; nothing is left reserved or mapped on failure.
     pub fn new(alloc: &Arc<VmmAllocation>) -> Result<Self> {
         let device = alloc.device();
-        device.bind()?;
+        let _ctx = device.bind()?;
         let size = alloc.size;
         let mut ptr = 0;
         // SAFETY: valid out-pointer; size is a granularity multiple; no fixed address.
@@ -433,7 +481,7 @@ impl VmmMapping {
     /// # Errors
     /// [`Error::Driver`].
     pub fn grant_access(&self, device: &Device) -> Result<()> {
-        self.alloc.device().bind()?;
+        let _ctx = self.alloc.device().bind()?;
         let desc = sys::CUmemAccessDesc {
             location: sys::CUmemLocation {
                 type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
@@ -468,7 +516,7 @@ impl DeviceMemory for VmmMapping {
 
 impl Drop for VmmMapping {
     fn drop(&mut self) {
-        if self.alloc.device().bind().is_ok() {
+        if let Ok(_ctx) = self.alloc.device().bind() {
             // SAFETY: mapped and reserved by `new`, undone exactly once; async copies that
             // used the mapping held an Arc of it until they completed.
             unsafe {

@@ -279,15 +279,20 @@ fn plumbing_peer_access_guards() {
     run_with(Stub::Host, "plumbing_peer_access_guards", &[]);
 }
 
+// Issue 13, items 4 and 8: legacy IPC between two processes over the stand-in (whose
+// handles open only in another process, as the real driver's do). The importer's cache
+// opens a handle once and closes it once; a handle opened in its own exporter is a typed
+// error; and when the exporter frees and re-exports memory whose handle bytes repeat, the
+// importer maps the new allocation, not the stale cached one.
 #[test]
 fn plumbing_ipc_cache_opens_once_and_closes_once() {
-    if in_child() {
+    const N: usize = 1 << 16;
+    if role().as_deref() == Some("fake-importer") {
         let cuda = Cuda::init().unwrap();
         let dev = cuda.device(0).unwrap();
-        let buf = Arc::new(dev.alloc(1 << 16).unwrap());
-        buf.write(0, &pattern(1 << 16, 5)).unwrap();
-        let h = IpcMemHandle::decode(&buf.ipc_handle().unwrap().encode()).unwrap();
-        assert_eq!(h.len(), 1 << 16);
+        let sock = connect();
+        let h = IpcMemHandle::decode(&recv_msg(&sock)).unwrap();
+        assert_eq!(h.len(), N as u64);
         let m1 = Arc::new(h.open(&dev).unwrap());
         let m2 = h.open(&dev).unwrap();
         assert!(!m1.was_cached() && m2.was_cached());
@@ -295,22 +300,35 @@ fn plumbing_ipc_cache_opens_once_and_closes_once() {
         assert_eq!(stand_in_ipc_open_count(), 1, "the driver saw one open");
         let s = ipc_cache_stats();
         assert_eq!((s.hits, s.misses, s.entries), (1, 1, 1));
-        let mut seen = vec![0u8; 1 << 16];
+        let mut seen = vec![0u8; N];
         nvlink_p2p::copy_to_host(&*m1, 0, &mut seen).unwrap();
-        assert_eq!(seen, pattern(1 << 16, 5));
+        assert!(seen == pattern(N, 5), "read the exporter's bytes");
         drop(m2);
         assert_eq!(stand_in_ipc_open_count(), 1);
+        // `m1` stays open while the exporter frees the memory and exports a new allocation.
+        nvlink_p2p::fd_passing::send_with_fds(&sock, b"opened", &[]).unwrap();
+        let h2 = IpcMemHandle::decode(&recv_msg(&sock)).unwrap();
+        assert_eq!(h2.raw(), h.raw(), "the stand-in repeats the handle bytes");
+        let fresh = h2.open(&dev).unwrap();
+        assert!(
+            !fresh.was_cached(),
+            "a re-export with repeated handle bytes was served the stale cached mapping"
+        );
+        nvlink_p2p::copy_to_host(&fresh, 0, &mut seen).unwrap();
+        assert!(seen == pattern(N, 6), "read the new allocation");
+        drop(fresh);
         drop(m1);
         assert_eq!(
             stand_in_ipc_open_count(),
             0,
-            "the last mapping closed the handle"
+            "the last mappings closed the handles"
         );
         assert_eq!(ipc_cache_stats().entries, 0);
 
         // A peer that claims more bytes than the allocation has is refused (and the
         // mapping it caused is closed again).
-        let lying = IpcMemHandle::from_parts(*h.raw(), 1 << 20, h.device_uuid());
+        let lying = IpcMemHandle::from_parts(*h2.raw(), 1 << 20, h2.device_uuid())
+            .with_allocation_id(h2.allocation_id());
         assert!(matches!(lying.open(&dev), Err(Error::InvalidArgument(_))));
         assert_eq!(stand_in_ipc_open_count(), 0);
         // Bytes the driver rejects are a typed error.
@@ -319,6 +337,45 @@ fn plumbing_ipc_cache_opens_once_and_closes_once() {
             forged.open(&dev),
             Err(Error::Driver { code: 1, .. })
         ));
+        nvlink_p2p::fd_passing::send_with_fds(&sock, b"done", &[]).unwrap();
+        return;
+    }
+    if in_child() {
+        let cuda = Cuda::init().unwrap();
+        let dev = cuda.device(0).unwrap();
+        let buf = Arc::new(dev.alloc(N).unwrap());
+        buf.write(0, &pattern(N, 5)).unwrap();
+        let h = IpcMemHandle::decode(&buf.ipc_handle().unwrap().encode()).unwrap();
+        assert_ne!(h.allocation_id(), 0);
+        // Opening in the exporting process: a typed error before the driver is asked ...
+        let e = h.open(&dev).unwrap_err();
+        assert!(matches!(e, Error::IpcHandleFromThisProcess), "{e:?}");
+        // ... which would refuse it (CUDA_ERROR_INVALID_CONTEXT) as the real driver does.
+        let anonymous = IpcMemHandle::from_parts(*h.raw(), h.len(), h.device_uuid());
+        assert!(matches!(
+            anonymous.open(&dev),
+            Err(Error::Driver { code: 201, .. })
+        ));
+
+        let l = Listener::new("fake-ipc");
+        let child = spawn_child(
+            "plumbing_ipc_cache_opens_once_and_closes_once",
+            "fake-importer",
+            Some(&l),
+            &[],
+        );
+        let sock = l.accept();
+        nvlink_p2p::fd_passing::send_with_fds(&sock, &h.encode(), &[]).unwrap();
+        assert_eq!(recv_msg(&sock), b"opened");
+        drop(buf);
+        let again = Arc::new(dev.alloc(N).unwrap());
+        again.write(0, &pattern(N, 6)).unwrap();
+        let h2 = again.ipc_handle().unwrap();
+        assert_ne!(h2.allocation_id(), h.allocation_id());
+        nvlink_p2p::fd_passing::send_with_fds(&sock, &h2.encode(), &[]).unwrap();
+        assert_eq!(recv_msg(&sock), b"done");
+        expect_success(child, "IPC importer");
+
         // cudarc memory that does not come from a pool exports too.
         let slice = dev
             .context()
@@ -355,6 +412,10 @@ fn plumbing_ipc_cache_opens_once_and_closes_once() {
     );
 }
 
+fn recv_msg(sock: &std::os::unix::net::UnixStream) -> Vec<u8> {
+    nvlink_p2p::fd_passing::recv_with_fds(sock, 0).unwrap().0
+}
+
 #[test]
 fn plumbing_missing_features_are_typed() {
     if in_child() {
@@ -374,15 +435,15 @@ fn plumbing_missing_features_are_typed() {
         );
         // No fabric support reported: the probe says so instead of failing.
         assert!(nvlink_p2p::fabric_support(&dev).unwrap().is_err());
-        // The stand-in has no cuMemGetHandleForAddressRange: DMA-BUF is refused before cudarc
-        // could panic on the missing symbol.
+        // The device reports no DMA-BUF support: refused before the export is tried. (The
+        // missing-entry-point case is `missing_newer_entry_point_and_failing_context_are_typed`.)
         let buf = Arc::new(dev.alloc(8192).unwrap());
         let e = DmaBuf::export(&buf, 0, 4096).unwrap_err();
         assert!(
             matches!(
                 e,
-                Error::MissingSymbol {
-                    symbol: "cuMemGetHandleForAddressRange",
+                Error::Unsupported {
+                    feature: "DMA-BUF export",
                     ..
                 }
             ),
@@ -394,6 +455,243 @@ fn plumbing_missing_features_are_typed() {
         Stub::Host,
         "plumbing_missing_features_are_typed",
         &[("FAKE_CUDA_NO_VMM", "1")],
+    );
+}
+
+/// Reads one of the stand-in's `int f(void)` counters.
+fn stand_in_counter(name: &str) -> i32 {
+    let lib = std::ffi::CString::new("libcuda.so").unwrap();
+    let sym = std::ffi::CString::new(name).unwrap();
+    // SAFETY: RTLD_NOLOAD only looks up the already loaded stand-in; the symbol is one of the
+    // stand-in's `int f(void)` functions.
+    #[allow(unsafe_code)]
+    unsafe {
+        let h = libc::dlopen(lib.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+        assert!(!h.is_null(), "stand-in not loaded");
+        let f = libc::dlsym(h, sym.as_ptr());
+        assert!(!f.is_null(), "stand-in lacks {name}");
+        let f: extern "C" fn() -> i32 = std::mem::transmute(f);
+        f()
+    }
+}
+
+use nvlink_p2p::cudarc::driver::sys;
+
+/// The context current on this thread, as the driver reports it.
+fn current_context() -> sys::CUcontext {
+    let mut c: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: valid out-pointer; the (stand-in) driver is loaded and initialised.
+    #[allow(unsafe_code)]
+    let r = unsafe { sys::cuCtxGetCurrent(&mut c) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+    c
+}
+
+/// Makes `c` current on this thread, as code using the CUDA runtime would.
+fn set_current_context(c: sys::CUcontext) {
+    // SAFETY: the stand-in accepts any token as a context.
+    #[allow(unsafe_code)]
+    let r = unsafe { sys::cuCtxSetCurrent(c) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+}
+
+// Issue 13, item 1: a driver (or sandbox) that refuses the DMA-BUF export although the device
+// attribute says yes is "unavailable here" with the driver's code, not a driver failure.
+#[test]
+fn refused_dmabuf_export_keeps_the_driver_code() {
+    if in_child() {
+        let expected: u32 = std::env::var("FAKE_CUDA_DMABUF").unwrap().parse().unwrap();
+        let cuda = Cuda::init().unwrap();
+        let dev = cuda.device(0).unwrap();
+        let buf = Arc::new(dev.alloc(8192).unwrap());
+        match DmaBuf::export(&buf, 0, 4096) {
+            Err(e @ Error::Refused { code, .. }) if expected != 0 => {
+                assert_eq!(code, expected, "{e}");
+                assert!(e.is_unavailable_here());
+                println!("dma-buf export refused here: {e}");
+            }
+            Ok(d) if expected == 0 => assert_eq!((d.offset(), d.len()), (0, 4096)),
+            other => panic!("FAKE_CUDA_DMABUF={expected}: {other:?}"),
+        }
+        return;
+    }
+    // NOT_SUPPORTED, NOT_PERMITTED, OPERATING_SYSTEM, and a working export.
+    for code in ["801", "800", "304", "0"] {
+        run_with(
+            Stub::Host,
+            "refused_dmabuf_export_keeps_the_driver_code",
+            &[("FAKE_CUDA_DMABUF", code)],
+        );
+    }
+}
+
+// Issue 13, item 2: any refusal of creating, exporting or importing a fabric handle is
+// "no fabric (reason)"; the probe imports (and releases) too.
+#[test]
+fn fabric_probe_reports_each_refusal() {
+    if in_child() {
+        let mode = std::env::var("FAKE_CUDA_FABRIC").unwrap();
+        let cuda = Cuda::init().unwrap();
+        let dev = cuda.device(0).unwrap();
+        let live_before = stand_in_counter("fake_live_vmm_handles");
+        let verdict = nvlink_p2p::fabric_support(&dev).unwrap();
+        match (mode.as_str(), &verdict) {
+            ("ok", Ok(())) => {}
+            (step, Err(reason)) if step != "ok" => {
+                let step = step.split(':').next().unwrap();
+                assert!(reason.contains(step), "{step}: {reason}");
+                println!("no fabric ({reason})");
+            }
+            _ => panic!("FAKE_CUDA_FABRIC={mode}: {verdict:?}"),
+        }
+        assert_eq!(
+            stand_in_counter("fake_live_vmm_handles"),
+            live_before,
+            "the probe released what it made"
+        );
+        return;
+    }
+    for mode in ["ok", "create:801", "export:800", "import:999", "import:1"] {
+        run_with(
+            Stub::Host,
+            "fabric_probe_reports_each_refusal",
+            &[("FAKE_CUDA_FABRIC", mode)],
+        );
+    }
+}
+
+// Issue 13, item 3: host-to-device copies land before `copy_from_host` returns, so work on
+// the crate's non-blocking streams sees them (the stand-in stages them like the driver does
+// for pageable memory).
+#[test]
+fn host_writes_are_visible_to_stream_copies() {
+    if in_child() {
+        let cuda = Cuda::init().unwrap();
+        let dev = cuda.device(0).unwrap();
+        let stream = dev.new_stream().unwrap();
+        let a = Arc::new(dev.alloc(4096).unwrap());
+        let b = Arc::new(dev.alloc(4096).unwrap());
+        a.write(0, &pattern(4096, 11)).unwrap();
+        copy_async(&stream, &b, 0, &a, 0, 4096)
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert!(
+            b.to_vec().unwrap() == pattern(4096, 11),
+            "a stream copy read bytes the host write had not landed yet"
+        );
+        return;
+    }
+    run_with(Stub::Host, "host_writes_are_visible_to_stream_copies", &[]);
+}
+
+// Issue 13, item 6: calls leave the caller's current context as they found it, and a sticky
+// error that cudarc recorded for an unrelated call does not make a drop skip its free.
+#[test]
+fn calls_keep_the_callers_context_and_drops_survive_sticky_errors() {
+    if in_child() {
+        let cuda = Cuda::init().unwrap();
+        let foreign = 0xdead_0000usize as sys::CUcontext;
+        set_current_context(foreign);
+        let dev = cuda.device(0).unwrap();
+        assert_eq!(current_context(), foreign, "Cuda::device");
+        let buf = Arc::new(dev.alloc(4096).unwrap());
+        assert_eq!(current_context(), foreign, "alloc");
+        buf.write(0, &pattern(4096, 1)).unwrap();
+        buf.to_vec().unwrap();
+        assert_eq!(current_context(), foreign, "host copies");
+        let stream = dev.new_stream().unwrap();
+        assert_eq!(current_context(), foreign, "new_stream");
+        let other = Arc::new(dev.alloc(4096).unwrap());
+        let copy = copy_async(&stream, &other, 0, &buf, 0, 4096).unwrap();
+        assert_eq!(current_context(), foreign, "copy_async");
+        copy.wait().unwrap();
+        assert_eq!(current_context(), foreign, "wait");
+        let ctx2 = dev.new_context().unwrap();
+        assert_eq!(current_context(), foreign, "new_context");
+        drop(ctx2);
+        drop(stream);
+        assert_eq!(current_context(), foreign, "stream drop");
+        buf.ipc_handle().unwrap();
+        assert_eq!(current_context(), foreign, "ipc_handle");
+
+        // cudarc records an error for some unrelated call on this context ...
+        let live = stand_in_counter("fake_live_allocs");
+        dev.context()
+            .record_err::<()>(Err(nvlink_p2p::cudarc::driver::DriverError(
+                sys::CUresult::CUDA_ERROR_LAUNCH_FAILED,
+            )));
+        // ... and dropping a buffer still frees it.
+        drop(other);
+        assert_eq!(
+            stand_in_counter("fake_live_allocs"),
+            live - 1,
+            "a pending sticky error made DeviceBuffer's drop skip cuMemFree"
+        );
+        assert_eq!(current_context(), foreign, "drop");
+        // The error is still there for the code that owns it.
+        assert!(dev.context().check_err().is_err());
+        return;
+    }
+    run_with(
+        Stub::Host,
+        "calls_keep_the_callers_context_and_drops_survive_sticky_errors",
+        &[],
+    );
+}
+
+// Issue 13, item 7: a driver that refuses the GPUDirect-RDMA flag still gets a VMM
+// allocation (retried without it), and a peer's size is checked before the driver sees it.
+#[test]
+fn vmm_rdma_flag_retry_and_peer_sizes() {
+    if in_child() {
+        let refuse = std::env::var("FAKE_CUDA_REFUSE_RDMA_FLAG").is_ok();
+        let cuda = Cuda::init().unwrap();
+        let dev = cuda.device(0).unwrap();
+        let alloc = VmmAllocation::new(&dev, 1).unwrap();
+        assert_eq!(alloc.gpu_direct_rdma(), !refuse);
+        let g = alloc.size();
+        let fd = alloc.export_fd().unwrap();
+        let mut desc = alloc.descriptor().unwrap();
+        // Not a granularity multiple: refused before the driver is called.
+        desc.size = g as u64 + 1;
+        let e = VmmAllocation::import_fd(&dev, std::os::fd::AsFd::as_fd(&fd), &desc).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+        // Larger than the real allocation: the mapping is a typed driver error, not a fault.
+        desc.size = 2 * g as u64;
+        let imported =
+            VmmAllocation::import_fd(&dev, std::os::fd::AsFd::as_fd(&fd), &desc).unwrap();
+        let e = nvlink_p2p::VmmMapping::new(&imported).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Driver {
+                    call: "cuMemMap",
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        // The true size maps and reads.
+        desc.size = g as u64;
+        let imported =
+            VmmAllocation::import_fd(&dev, std::os::fd::AsFd::as_fd(&fd), &desc).unwrap();
+        let m = nvlink_p2p::VmmMapping::new(&imported).unwrap();
+        nvlink_p2p::fill(&m, 0, 16, 3).unwrap();
+        return;
+    }
+    run_with(
+        Stub::Host,
+        "vmm_rdma_flag_retry_and_peer_sizes",
+        &[("FAKE_CUDA_VMM_RDMA", "1")],
+    );
+    run_with(
+        Stub::Host,
+        "vmm_rdma_flag_retry_and_peer_sizes",
+        &[
+            ("FAKE_CUDA_VMM_RDMA", "1"),
+            ("FAKE_CUDA_REFUSE_RDMA_FLAG", "801"),
+        ],
     );
 }
 
