@@ -322,6 +322,27 @@ impl Cuda {
         self.info.version
     }
 
+    /// The file the driver library was loaded from (`dladdr` of `cuInit`), for reports: it
+    /// tells the real NVIDIA driver from anything else named `libcuda.so` on the search path.
+    pub fn library_path(&self) -> Option<std::path::PathBuf> {
+        use std::os::unix::ffi::OsStrExt;
+        // SAFETY: the library was found by `probe` (culib() finds it too and does not panic);
+        // looking a symbol up has no side effects.
+        let sym = unsafe { sys::culib().get::<*const c_void>(b"cuInit") }.ok()?;
+        let addr: *const c_void = *sym;
+        // SAFETY: Dl_info is plain data; dladdr fills it for an address inside a loaded object.
+        let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+        // SAFETY: valid out-pointer; `addr` is the address of a loaded symbol.
+        if unsafe { libc::dladdr(addr, &mut info) } == 0 || info.dli_fname.is_null() {
+            return None;
+        }
+        // SAFETY: dladdr returned a NUL-terminated path owned by the loader.
+        let name = unsafe { std::ffi::CStr::from_ptr(info.dli_fname) };
+        Some(std::path::PathBuf::from(std::ffi::OsStr::from_bytes(
+            name.to_bytes(),
+        )))
+    }
+
     /// The number of visible devices (at least one).
     pub fn device_count(&self) -> usize {
         self.info.device_count

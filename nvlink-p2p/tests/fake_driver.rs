@@ -103,7 +103,7 @@ fn failing_init_is_a_driver_error() {
 #[test]
 fn old_driver_refuses_newer_features_without_calling_them() {
     if in_child() {
-        let cuda = Cuda::init().unwrap();
+        let cuda = stand_in_cuda();
         assert_eq!(cuda.driver_version(), DriverVersion(10010));
         assert_eq!(cuda.device_count(), 2);
         let e = cuda
@@ -129,7 +129,7 @@ fn old_driver_refuses_newer_features_without_calling_them() {
 #[test]
 fn missing_newer_entry_point_and_failing_context_are_typed() {
     if in_child() {
-        let cuda = Cuda::init().unwrap();
+        let cuda = stand_in_cuda();
         let e = cuda
             .require(
                 "DMA-BUF export",
@@ -201,7 +201,7 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
 #[test]
 fn plumbing_memory_copies_contexts_topology() {
     if in_child() {
-        let cuda = Cuda::init().unwrap();
+        let cuda = stand_in_cuda();
         assert_eq!(cuda.device_count(), 2);
         let topo = cuda.topology().unwrap();
         assert_eq!(topo.devices[1].name, "Stand-in GPU");
@@ -252,7 +252,7 @@ fn plumbing_memory_copies_contexts_topology() {
 #[test]
 fn plumbing_peer_access_guards() {
     if in_child() {
-        let cuda = Cuda::init().unwrap();
+        let cuda = stand_in_cuda();
         let (d0, d1) = (cuda.device(0).unwrap(), cuda.device(1).unwrap());
         let a = Arc::new(d0.alloc(4096).unwrap());
         let b = Arc::new(d1.alloc(4096).unwrap());
@@ -288,7 +288,7 @@ fn plumbing_peer_access_guards() {
 fn plumbing_ipc_cache_opens_once_and_closes_once() {
     const N: usize = 1 << 16;
     if role().as_deref() == Some("fake-importer") {
-        let cuda = Cuda::init().unwrap();
+        let cuda = stand_in_cuda();
         let dev = cuda.device(0).unwrap();
         let sock = connect();
         let h = IpcMemHandle::decode(&recv_msg(&sock)).unwrap();
@@ -341,7 +341,7 @@ fn plumbing_ipc_cache_opens_once_and_closes_once() {
         return;
     }
     if in_child() {
-        let cuda = Cuda::init().unwrap();
+        let cuda = stand_in_cuda();
         let dev = cuda.device(0).unwrap();
         let buf = Arc::new(dev.alloc(N).unwrap());
         buf.write(0, &pattern(N, 5)).unwrap();
@@ -419,7 +419,7 @@ fn recv_msg(sock: &std::os::unix::net::UnixStream) -> Vec<u8> {
 #[test]
 fn plumbing_missing_features_are_typed() {
     if in_child() {
-        let cuda = Cuda::init().unwrap();
+        let cuda = stand_in_cuda();
         let dev = cuda.device(0).unwrap();
         // A device without VMM (FAKE_CUDA_NO_VMM) is refused before cuMemCreate is called.
         let e = VmmAllocation::new(&dev, 1 << 20).unwrap_err();
@@ -501,7 +501,7 @@ fn set_current_context(c: sys::CUcontext) {
 fn refused_dmabuf_export_keeps_the_driver_code() {
     if in_child() {
         let expected: u32 = std::env::var("FAKE_CUDA_DMABUF").unwrap().parse().unwrap();
-        let cuda = Cuda::init().unwrap();
+        let cuda = stand_in_cuda();
         let dev = cuda.device(0).unwrap();
         let buf = Arc::new(dev.alloc(8192).unwrap());
         match DmaBuf::export(&buf, 0, 4096) {
@@ -531,7 +531,7 @@ fn refused_dmabuf_export_keeps_the_driver_code() {
 fn fabric_probe_reports_each_refusal() {
     if in_child() {
         let mode = std::env::var("FAKE_CUDA_FABRIC").unwrap();
-        let cuda = Cuda::init().unwrap();
+        let cuda = stand_in_cuda();
         let dev = cuda.device(0).unwrap();
         let live_before = stand_in_counter("fake_live_vmm_handles");
         let verdict = nvlink_p2p::fabric_support(&dev).unwrap();
@@ -566,7 +566,7 @@ fn fabric_probe_reports_each_refusal() {
 #[test]
 fn host_writes_are_visible_to_stream_copies() {
     if in_child() {
-        let cuda = Cuda::init().unwrap();
+        let cuda = stand_in_cuda();
         let dev = cuda.device(0).unwrap();
         let stream = dev.new_stream().unwrap();
         let a = Arc::new(dev.alloc(4096).unwrap());
@@ -590,7 +590,7 @@ fn host_writes_are_visible_to_stream_copies() {
 #[test]
 fn calls_keep_the_callers_context_and_drops_survive_sticky_errors() {
     if in_child() {
-        let cuda = Cuda::init().unwrap();
+        let cuda = stand_in_cuda();
         let foreign = 0xdead_0000usize as sys::CUcontext;
         set_current_context(foreign);
         let dev = cuda.device(0).unwrap();
@@ -646,7 +646,7 @@ fn calls_keep_the_callers_context_and_drops_survive_sticky_errors() {
 fn vmm_rdma_flag_retry_and_peer_sizes() {
     if in_child() {
         let refuse = std::env::var("FAKE_CUDA_REFUSE_RDMA_FLAG").is_ok();
-        let cuda = Cuda::init().unwrap();
+        let cuda = stand_in_cuda();
         let dev = cuda.device(0).unwrap();
         let alloc = VmmAllocation::new(&dev, 1).unwrap();
         assert_eq!(alloc.gpu_direct_rdma(), !refuse);
@@ -695,11 +695,7 @@ fn vmm_rdma_flag_retry_and_peer_sizes() {
     );
 }
 
-/// Says why a test did not run, past libtest's output capture, so `cargo test` shows it.
+/// Says why a test did not run (only for a missing C compiler: a named machine limit).
 fn skip(why: std::fmt::Arguments<'_>) {
-    let test = std::thread::current().name().unwrap_or("?").to_owned();
-    let _ = std::io::Write::write_fmt(
-        &mut std::io::stdout(),
-        format_args!("skipped: {why} [{test}]\n"),
-    );
+    skip_or_fail(why, Limit::Tool);
 }

@@ -17,9 +17,16 @@ use nvlink_p2p::{
 };
 
 fn gpu() -> Option<Cuda> {
-    let required = std::env::var("NVLINK_P2P_REQUIRE_GPU").as_deref() == Ok("1");
+    if std::env::var("NVLINK_P2P_STANDIN").is_ok() {
+        // The run of `suite_over_the_host_stand_in`: the stand-in must be what loaded.
+        return Some(stand_in_cuda());
+    }
+    let required = gpu_required();
     match Cuda::init() {
-        Ok(c) => Some(c),
+        Ok(c) => {
+            assert_real_driver_when_required(&c);
+            Some(c)
+        }
         Err(e) if required => panic!("NVLINK_P2P_REQUIRE_GPU=1 but: {e}"),
         Err(Error::DriverUnavailable { .. }) => {
             skip(format_args!("no CUDA driver"));
@@ -49,38 +56,37 @@ fn recv(sock: &UnixStream) -> Vec<u8> {
 
 const LEN: usize = 16 << 20;
 
-/// Without a GPU, runs this whole suite (bar the cross-process legacy-IPC test, which needs a
-/// real driver) against the host-memory stand-in driver, so the plumbing of every test —
-/// VMM over real memfds and SCM_RIGHTS between two processes included — runs in CI too.
+/// Without a GPU, runs this whole suite against the host-memory stand-in driver, so the
+/// plumbing of every test — VMM over real memfds, SCM_RIGHTS and legacy IPC (a memfd opened
+/// through /proc) between two processes included — runs in CI too.
 /// Not a GPU check: on a GPU machine this test steps aside and the suite runs for real.
 #[test]
 fn suite_over_the_host_stand_in() {
     if std::env::var("NVLINK_P2P_STANDIN").is_ok() {
         return; // we are the run below
     }
-    if Cuda::init().is_ok() {
-        skip(format_args!(
-            "a real CUDA driver is present; the suite runs for real"
-        ));
+    if let Ok(cuda) = Cuda::init() {
+        // Not a skip: with a driver the suite below runs for real, in this very binary.
+        println!(
+            "not needed: a CUDA driver is present ({:?}); the suite runs for real",
+            cuda.library_path()
+        );
         return;
     }
     let Some(dir) = stand_in(Stub::Host) else {
-        skip(format_args!(
-            "cannot build the stand-in driver (no C compiler `cc`)"
-        ));
+        skip_or_fail(
+            format_args!("cannot build the stand-in driver (no C compiler `cc`)"),
+            Limit::Tool,
+        );
         return;
     };
     let status = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--test-threads=1",
-            "--skip",
-            "suite_over_the_host_stand_in",
-            "--skip",
-            "legacy_ipc_between_processes",
-        ])
+        .args(["--test-threads=1", "--skip", "suite_over_the_host_stand_in"])
         .env("LD_LIBRARY_PATH", dir)
         .env("NVLINK_P2P_STANDIN", "1")
-        .env("NVLINK_P2P_REQUIRE_GPU", "1")
+        .env_remove("NVLINK_P2P_REQUIRE_GPU")
+        // The stand-in exports DMA-BUF as a dup of the allocation's memfd.
+        .env("FAKE_CUDA_DMABUF", "0")
         .stdin(std::process::Stdio::null())
         .status()
         .unwrap();
@@ -108,9 +114,10 @@ fn topology_lists_every_pair() {
     let dev = cuda.device(0).unwrap();
     assert_eq!(dev.uuid().unwrap().len(), 16);
     println!(
-        "driver {}, device 0 = {}",
+        "driver {}, device 0 = {}, library {:?}",
         cuda.driver_version(),
-        dev.name().unwrap()
+        dev.name().unwrap(),
+        cuda.library_path()
     );
 }
 
@@ -229,7 +236,10 @@ fn stream_ordered_memory_is_refused_for_ipc() {
     let dev = cuda.device(0).unwrap();
     let ctx = dev.context();
     if !ctx.has_async_alloc() {
-        skip(format_args!("device has no stream-ordered allocator"));
+        skip_or_fail(
+            format_args!("device has no stream-ordered allocator"),
+            Limit::None,
+        );
         return;
     }
     let stream = ctx.default_stream();
@@ -268,12 +278,8 @@ fn vmm_fd_between_processes() {
     let dev = cuda.device(0).unwrap();
     let alloc = match VmmAllocation::new(&dev, LEN) {
         Ok(a) => a,
-        Err(
-            e @ (Error::Unsupported { .. }
-            | Error::DriverTooOld { .. }
-            | Error::MissingSymbol { .. }),
-        ) => {
-            skip(format_args!("{e}"));
+        Err(e) if e.is_unavailable_here() => {
+            skip_or_fail(format_args!("{e}"), vmm_limit(&e));
             return;
         }
         Err(e) => panic!("{e}"),
@@ -305,12 +311,12 @@ fn vmm_release_order_does_not_leak() {
     let Some(cuda) = gpu() else { return };
     let dev = cuda.device(0).unwrap();
     const BIG: usize = 1 << 30;
-    if let Err(
-        e @ (Error::Unsupported { .. } | Error::DriverTooOld { .. } | Error::MissingSymbol { .. }),
-    ) = VmmAllocation::new(&dev, 1)
-    {
-        skip(format_args!("{e}"));
-        return;
+    if let Err(e) = VmmAllocation::new(&dev, 1) {
+        if e.is_unavailable_here() {
+            skip_or_fail(format_args!("{e}"), vmm_limit(&e));
+            return;
+        }
+        panic!("{e}");
     }
     let (free_before, _) = dev.memory_info().unwrap();
     for order in 0..6 {
@@ -399,7 +405,10 @@ fn peer_copies_between_two_contexts() {
     ));
 
     if cuda.device_count() < 2 {
-        println!("skipped part: one GPU, no cross-device peer copy");
+        skip_or_fail(
+            format_args!("one GPU: no cross-device peer copy (the two-context part ran)"),
+            Limit::OneGpu,
+        );
         return;
     }
     let d1 = cuda.device(1).unwrap();
@@ -434,12 +443,17 @@ fn dmabuf_export() {
     let dev: Device = cuda.device(0).unwrap();
     let buf = Arc::new(dev.alloc(4 << 20).unwrap());
     match DmaBuf::export(&buf, 100, 8192) {
-        Err(
-            e @ (Error::Unsupported { .. }
-            | Error::DriverTooOld { .. }
-            | Error::MissingSymbol { .. }),
-        ) => {
-            skip(format_args!("DMA-BUF export unavailable here: {e}"));
+        Err(e) if e.is_unavailable_here() => {
+            if let Error::Refused { code, name, .. } = &e {
+                println!("dma-buf export refused with {name} ({code})");
+            }
+            // The attribute saying no, or the driver/sandbox refusing: a machine limit when
+            // the probe saw it too; a driver too old or a missing entry point is not.
+            let limit = match e {
+                Error::Unsupported { .. } | Error::Refused { .. } => Limit::RefusedHere("dmabuf"),
+                _ => Limit::None,
+            };
+            skip_or_fail(format_args!("DMA-BUF export unavailable here: {e}"), limit);
         }
         Err(e) => panic!("{e}"),
         Ok(d) => {
@@ -469,11 +483,16 @@ fn dmabuf_export() {
     ));
 }
 
-/// Says why a test did not run, past libtest's output capture, so `cargo test` shows it.
+/// Without a driver or device (never with `NVLINK_P2P_REQUIRE_GPU=1`, where `gpu` panics).
 fn skip(why: std::fmt::Arguments<'_>) {
-    let test = std::thread::current().name().unwrap_or("?").to_owned();
-    let _ = std::io::Write::write_fmt(
-        &mut std::io::stdout(),
-        format_args!("skipped: {why} [{test}]\n"),
-    );
+    skip_or_fail(why, Limit::None);
+}
+
+/// VMM refused by the driver or a sandbox is a machine limit when the probe saw it too; a
+/// driver too old, a missing entry point or a device without VMM is not (an H200 has it).
+fn vmm_limit(e: &Error) -> Limit {
+    match e {
+        Error::Refused { .. } => Limit::RefusedHere("vmm"),
+        _ => Limit::None,
+    }
 }

@@ -7,6 +7,7 @@ use nvlink_p2p::{probe_library, Cuda, Error};
 #[test]
 fn init_reports_missing_driver_or_no_device() {
     match Cuda::init() {
+        Err(e) if gpu_required() => panic!("NVLINK_P2P_REQUIRE_GPU=1 but: {e}"),
         Err(e @ Error::DriverUnavailable { .. }) => {
             let msg = e.to_string();
             assert!(msg.contains("install the NVIDIA driver"), "{msg}");
@@ -18,6 +19,17 @@ fn init_reports_missing_driver_or_no_device() {
             assert!(matches!(Cuda::init(), Err(Error::DriverUnavailable { .. })));
         }
         Err(e @ Error::NoDevice) => assert!(e.to_string().contains("no CUDA device"), "{e}"),
+        Ok(cuda) if gpu_required() => {
+            // The state this machine must be in: a fact for the report, not a skip.
+            assert_real_driver_when_required(&cuda);
+            println!(
+                "driver present as required: CUDA {} with {} device(s), library {:?} \
+                 (the no-driver path is covered by probe_with_missing_library)",
+                cuda.driver_version(),
+                cuda.device_count(),
+                cuda.library_path()
+            );
+        }
         Ok(cuda) => skip(format_args!("a CUDA driver {} with {} device(s) is present (the no-driver path is covered by probe_with_missing_library)",
             cuda.driver_version(),
             cuda.device_count()
@@ -69,11 +81,7 @@ fn hidden_devices_are_no_device() {
     expect_success(child, "hidden-devices child");
 }
 
-/// Says why a test did not run, past libtest's output capture, so `cargo test` shows it.
+/// Says why a test did not run; with `NVLINK_P2P_REQUIRE_GPU=1` that fails instead.
 fn skip(why: std::fmt::Arguments<'_>) {
-    let test = std::thread::current().name().unwrap_or("?").to_owned();
-    let _ = std::io::Write::write_fmt(
-        &mut std::io::stdout(),
-        format_args!("skipped: {why} [{test}]\n"),
-    );
+    skip_or_fail(why, Limit::None);
 }

@@ -2,6 +2,7 @@
 //! one test, with a role in the environment.
 #![allow(dead_code)]
 
+use std::io::Write;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -89,6 +90,102 @@ pub fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd").unwrap().count()
 }
 
+/// The symbol every stand-in driver of these tests exports (the real driver does not).
+pub const STAND_IN_MARKER: &str = "nvlink_p2p_stand_in_driver";
+
+/// Whether the driver `cuda` was loaded from is one of these tests' stand-ins (`None`: the
+/// library path is unknown).
+pub fn loaded_driver_is_stand_in(cuda: &nvlink_p2p::Cuda) -> Option<bool> {
+    let path = cuda.library_path()?;
+    let c = std::ffi::CString::new(path.to_str()?).ok()?;
+    let sym = std::ffi::CString::new(STAND_IN_MARKER).unwrap();
+    // SAFETY: RTLD_NOLOAD only returns the already loaded library; dlsym has no side effects.
+    #[allow(unsafe_code)]
+    unsafe {
+        let h = libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
+        if h.is_null() {
+            return None;
+        }
+        Some(!libc::dlsym(h, sym.as_ptr()).is_null())
+    }
+}
+
+/// `Cuda::init` in a child that must run against a stand-in: fails if the real driver (or
+/// anything but a stand-in) was loaded, so a stand-in test can never pass or fail against a
+/// GPU by accident.
+pub fn stand_in_cuda() -> nvlink_p2p::Cuda {
+    let cuda = nvlink_p2p::Cuda::init().expect("the stand-in driver initialises");
+    assert_eq!(
+        loaded_driver_is_stand_in(&cuda),
+        Some(true),
+        "expected a stand-in libcuda.so, but {:?} was loaded",
+        cuda.library_path()
+    );
+    cuda
+}
+
+/// `Cuda::init` in a test that must run against the real driver when one is required
+/// (`NVLINK_P2P_REQUIRE_GPU=1` without `NVLINK_P2P_STANDIN`): a stand-in `libcuda.so` found
+/// on the search path in place of the real one is a failure, never a pass.
+pub fn assert_real_driver_when_required(cuda: &nvlink_p2p::Cuda) {
+    let required = std::env::var("NVLINK_P2P_REQUIRE_GPU").as_deref() == Ok("1")
+        && std::env::var("NVLINK_P2P_STANDIN").is_err();
+    if required {
+        assert_eq!(
+            loaded_driver_is_stand_in(cuda),
+            Some(false),
+            "NVLINK_P2P_REQUIRE_GPU=1: {:?} is a stand-in (or unknown), not the NVIDIA driver",
+            cuda.library_path()
+        );
+    }
+}
+
+/// Whether this run must have a GPU (`NVLINK_P2P_REQUIRE_GPU=1`, set by `ci/gpu/run.sh`).
+pub fn gpu_required() -> bool {
+    std::env::var("NVLINK_P2P_REQUIRE_GPU").as_deref() == Ok("1")
+}
+
+/// A named limit that a GPU machine may have without that being a failure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Limit {
+    /// The machine has one GPU: two-GPU checks cannot run.
+    OneGpu,
+    /// The driver (or a sandbox around it) refuses this feature, and the GPU probe that
+    /// `ci/gpu/run.sh` runs first found the same (`NVLINK_P2P_PROBE_REFUSED`, a comma
+    /// list of: `ipc`, `vmm`, `dmabuf`, `fabric`).
+    RefusedHere(&'static str),
+    /// A tool the test needs is missing (a C compiler for the stand-in drivers).
+    Tool,
+    /// Not an expected limit: on a machine that must have a GPU this skip is a failure.
+    None,
+}
+
+/// Says why (part of) a test does not run. Without `NVLINK_P2P_REQUIRE_GPU=1` that is a
+/// `skipped: WHY [test]` line. With it, only a named limit this machine is expected to have
+/// passes (as a `limit: WHY [test]` line, for the report); any other skip fails the test.
+pub fn skip_or_fail(why: std::fmt::Arguments<'_>, limit: Limit) {
+    let test = std::thread::current().name().unwrap_or("?").to_owned();
+    let allowed = match limit {
+        Limit::OneGpu | Limit::Tool => true,
+        Limit::RefusedHere(feature) => std::env::var("NVLINK_P2P_PROBE_REFUSED")
+            .map(|list| list.split(',').any(|f| f.trim() == feature))
+            .unwrap_or(false),
+        Limit::None => false,
+    };
+    // Past libtest's capture, so that a plain `cargo test` shows it too.
+    let mut out = std::io::stdout();
+    if !gpu_required() {
+        let _ = writeln!(out, "skipped: {why} [{test}]");
+    } else if allowed {
+        let _ = writeln!(out, "limit: {why} ({limit:?}) [{test}]");
+    } else {
+        panic!(
+            "NVLINK_P2P_REQUIRE_GPU=1, but this would skip ({limit:?}, not an expected limit of \
+             this machine per the GPU probe): {why}"
+        );
+    }
+}
+
 /// The stand-in `libcuda.so` variants built from C at test time (never a GPU).
 #[derive(Clone, Copy, Debug)]
 pub enum Stub {
@@ -122,6 +219,7 @@ pub fn stand_in(stub: Stub) -> Option<&'static Path> {
             let mut src = String::from(
                 "#include <stdlib.h>\n\
                  static int env(const char *n, int d) { const char *v = getenv(n); return v ? atoi(v) : d; }\n\
+                 int nvlink_p2p_stand_in_driver(void) { return 1; }\n\
                  int cuInit(unsigned int f) { (void)f; return env(\"FAKE_CUDA_INIT\", 0); }\n\
                  #ifndef MINIMAL\n\
                  int cuDriverGetVersion(int *v) { *v = env(\"FAKE_CUDA_VERSION\", 12080); return 0; }\n\
