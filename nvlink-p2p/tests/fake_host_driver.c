@@ -12,6 +12,9 @@
  *   legacy stream is synchronized (cuCtxSynchronize, a synchronous copy or memset, an event
  *   recorded on stream 0), not for work on non-blocking streams or in another process.
  * - cuMemMap beyond the imported allocation fails (CUDA_ERROR_INVALID_VALUE).
+ * - Freeing memory that another process still has open through IPC is undefined behaviour
+ *   for the real driver; here every allocation has a trailer page counting the processes
+ *   that map it, and cuMemFree of a mapped one is counted (fake_freed_while_mapped).
  * Knobs (environment): FAKE_CUDA_COUNT, FAKE_CUDA_NO_VMM; FAKE_CUDA_DMABUF=<CUresult>
  * (device reports DMA-BUF support; export returns that code, 0 = a memfd dup);
  * FAKE_CUDA_FABRIC=ok|create:<code>|export:<code>|import:<code> (device reports fabric
@@ -60,6 +63,11 @@ static int add_alloc(dptr p, size_t n, int fd, int kind) {
         if (!allocs[i].p) { allocs[i].p = p; allocs[i].n = n; allocs[i].fd = fd; allocs[i].kind = kind; return OK; }
     return 2;
 }
+
+/* The trailer page after an allocation's pages: how many other processes map it now. */
+static int *trailer(dptr p, size_t n) { return (int *)(uintptr_t)(p + (n + 4095) / 4096 * 4096); }
+static int freed_while_mapped;
+int fake_freed_while_mapped(void) { return freed_while_mapped; }
 
 int fake_live_allocs(void) {
     int n = 0;
@@ -122,7 +130,7 @@ int cuCtxEnablePeerAccess(void *peer, unsigned f) { (void)peer; return f ? INVAL
 int cuCtxDisablePeerAccess(void *peer) { (void)peer; return OK; }
 int cuMemAlloc_v2(dptr *p, size_t n) {
     if (!n) return INVALID_VALUE;
-    size_t pages = (n + 4095) / 4096 * 4096;
+    size_t pages = (n + 4095) / 4096 * 4096 + 4096; /* + the trailer */
     int fd = memfd_create("standin-mem", MFD_CLOEXEC);
     if (fd < 0) return 2;
     void *m = ftruncate(fd, (off_t)pages) == 0 ? mmap(0, pages, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
@@ -135,7 +143,8 @@ int cuMemFree_v2(dptr p) {
     land();
     for (int i = 0; i < MAXA; i++)
         if (allocs[i].p == p && allocs[i].kind == 1) {
-            munmap((void *)(uintptr_t)p, (allocs[i].n + 4095) / 4096 * 4096);
+            if (__atomic_load_n(trailer(p, allocs[i].n), __ATOMIC_SEQ_CST) > 0) freed_while_mapped++;
+            munmap((void *)(uintptr_t)p, (allocs[i].n + 4095) / 4096 * 4096 + 4096);
             close(allocs[i].fd);
             allocs[i].p = 0;
             return OK;
@@ -289,19 +298,21 @@ int cuIpcOpenMemHandle_v2(dptr *p, ipc_handle h, unsigned f) {
     snprintf(path, sizeof path, "/proc/%d/fd/%d", pid, fd);
     int mine = open(path, O_RDWR | O_CLOEXEC);
     if (mine < 0) return INVALID_VALUE;
-    size_t pages = (n + 4095) / 4096 * 4096;
+    size_t pages = (n + 4095) / 4096 * 4096 + 4096;
     void *m = mmap(0, pages, PROT_READ | PROT_WRITE, MAP_SHARED, mine, 0);
     close(mine);
     if (m == MAP_FAILED) return INVALID_VALUE;
     *p = (dptr)(uintptr_t)m;
     if (add_alloc(*p, n, -1, 3) != OK) { munmap(m, pages); return 2; }
+    __atomic_add_fetch(trailer(*p, n), 1, __ATOMIC_SEQ_CST);
     ipc_open++;
     return OK;
 }
 int cuIpcCloseMemHandle(dptr p) {
     for (int i = 0; i < MAXA; i++)
         if (allocs[i].p == p && allocs[i].kind == 3) {
-            munmap((void *)(uintptr_t)p, (allocs[i].n + 4095) / 4096 * 4096);
+            __atomic_sub_fetch(trailer(p, allocs[i].n), 1, __ATOMIC_SEQ_CST);
+            munmap((void *)(uintptr_t)p, (allocs[i].n + 4095) / 4096 * 4096 + 4096);
             allocs[i].p = 0; ipc_open--;
             return OK;
         }

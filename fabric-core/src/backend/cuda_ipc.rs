@@ -8,11 +8,32 @@
 //!   (`cuMemAlloc`, so legacy IPC can export it). A region with remote access is announced
 //!   to the peer on the socket with its 64-byte CUDA IPC handle; the peer opens it once
 //!   (`nvlink-p2p`'s per-process mapping cache).
+//!   Host writes into a region (`write_at`) have landed in device memory when they return,
+//!   so a peer's copy that is ordered after them by a message sees them.
+//! * Both ends in one process: the driver cannot open an IPC handle in the process that
+//!   exported it, so the importer uses the exporter's buffer directly (found through a
+//!   process-wide table of this backend's exports, by the handle's allocation id).
 //! * One-sided: write and read are device-to-device copies between a local region and the
 //!   peer's mapped region, queued on one CUDA stream, each completing through a CUDA event;
 //!   the initiator checks the key, the granted access and the mapping's real length. An
 //!   operation on a key whose announcement has not arrived yet waits for it (up to the
 //!   handshake timeout, then [`Status::RemoteAccess`]).
+//! * Access bits are enforced by the initiator only. Legacy CUDA IPC has no read-only
+//!   mapping: a peer that opens a region's handle gets a read-write mapping even when the
+//!   region granted only [`Access::REMOTE_READ`]. This backend's own initiator refuses a
+//!   write to such a region (whatever bits the key claims: it checks the access the owner
+//!   announced), but a peer running other code can write it. Grant remote access only to
+//!   peers you trust with the memory (the uid check keeps out other users).
+//! * Freeing exported memory: the driver's documentation makes it undefined to free memory
+//!   a peer still maps. The exporter keeps every exported buffer until the peer says it
+//!   closed its mapping: a `revoke` frame (sent when the region's memory is dropped, and for
+//!   every export when the transport is dropped) is answered by `revoked` once the peer's
+//!   in-flight copies on it finished and its mapping is closed; a peer that hangs up has
+//!   closed its mappings with its transport, or died (the driver then unmaps them). A peer
+//!   that neither answers nor hangs up within the handshake timeout of a dropped transport
+//!   keeps the memory allocated (it leaks, deliberately) rather than have it freed under it.
+//!   Revocations travel in order with messages: a peer that does not post receives for
+//!   messages queued before a `revoke` delays its answer.
 //! * Two-sided: messages travel over the Unix socket, staged through host memory
 //!   (a control path: bulk GPU data should use one-sided writes). A send waits for the
 //!   one-sided operations posted before it, so everything takes effect in post order.
@@ -22,12 +43,13 @@
 //! * Peer death: the socket hangs up; everything in flight completes with
 //!   [`Status::PeerGone`].
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::{self, Read, Write};
 use std::os::fd::{AsFd, BorrowedFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use nvlink_p2p as nv;
@@ -56,8 +78,15 @@ pub const FRAME_HEADER_LEN: usize = 8;
 const K_HELLO: u8 = 1;
 const K_ANNOUNCE: u8 = 2;
 const K_MSG: u8 = 3;
+/// The exporter asks the peer to close its mapping of a region (body: region id).
+const K_REVOKE: u8 = 4;
+/// The peer closed its mapping of a region (body: region id).
+const K_REVOKED: u8 = 5;
+/// Length of a revoke / revoked body.
+const REVOKE_LEN: usize = 4;
 const HELLO_MAGIC: u64 = 0x3130_4144_5543_4246; // "FBCUDA01"
-const HELLO_VERSION: u32 = 1;
+/// 2: revoke / revoked frames; the IPC handle carries the exporter's allocation id.
+const HELLO_VERSION: u32 = 2;
 const HELLO_LEN: usize = 32;
 /// Length of an announcement body.
 pub const ANNOUNCE_LEN: usize = 16 + nv::IpcMemHandle::ENCODED_LEN;
@@ -141,7 +170,7 @@ pub fn decode_frame_header(
         });
     }
     let kind = b[0];
-    if !matches!(kind, K_HELLO | K_ANNOUNCE | K_MSG) {
+    if !matches!(kind, K_HELLO | K_ANNOUNCE | K_MSG | K_REVOKE | K_REVOKED) {
         return Err(DecodeError::Invalid {
             what: "cuda-ipc frame kind",
             value: kind as u64,
@@ -151,6 +180,7 @@ pub fn decode_frame_header(
     let max = match kind {
         K_HELLO => HELLO_LEN,
         K_ANNOUNCE => ANNOUNCE_LEN,
+        K_REVOKE | K_REVOKED => REVOKE_LEN,
         _ => max_body,
     };
     if len > max || (kind != K_MSG && len != max) {
@@ -176,8 +206,44 @@ pub struct Announcement {
     pub handle: nv::IpcMemHandle,
 }
 
+/// Encodes a frame of `kind` with `body` (the frame layout [`decode_frame_header`] reads).
+///
+/// # Errors
+/// [`DecodeError::TooLong`] when the body does not fit the frame's `u32` length field.
+pub fn encode_frame(kind: u8, body: &[u8]) -> std::result::Result<Vec<u8>, DecodeError> {
+    let len = u32::try_from(body.len()).map_err(|_| DecodeError::TooLong {
+        what: "cuda-ipc frame body",
+        len: body.len() as u64,
+        max: u32::MAX as u64,
+    })?;
+    let mut f = Vec::with_capacity(FRAME_HEADER_LEN + body.len());
+    f.push(kind);
+    f.extend_from_slice(&[0, 0, 0]);
+    f.extend_from_slice(&len.to_le_bytes());
+    f.extend_from_slice(body);
+    Ok(f)
+}
+
+/// The frame kinds, for encoders outside this module (the fuzz target): hello, announce,
+/// message, revoke, revoked.
+pub const FRAME_KINDS: [u8; 5] = [K_HELLO, K_ANNOUNCE, K_MSG, K_REVOKE, K_REVOKED];
+
+/// Decodes a revoke / revoked body: the region id.
+///
+/// # Errors
+/// [`DecodeError::Truncated`] for a body that is not exactly 4 bytes.
+pub fn decode_revoke(b: &[u8]) -> std::result::Result<u32, DecodeError> {
+    let b: [u8; REVOKE_LEN] = b.try_into().map_err(|_| DecodeError::Truncated {
+        what: "cuda-ipc revoke",
+        need: REVOKE_LEN,
+        got: b.len(),
+    })?;
+    Ok(u32::from_le_bytes(b))
+}
+
 impl Announcement {
-    fn encode(&self) -> [u8; ANNOUNCE_LEN] {
+    /// Encodes the announcement body (what [`Announcement::decode`] reads).
+    pub fn encode(&self) -> [u8; ANNOUNCE_LEN] {
         let mut b = [0u8; ANNOUNCE_LEN];
         b[0..4].copy_from_slice(&self.region.to_le_bytes());
         b[4..8].copy_from_slice(&self.access.to_le_bytes());
@@ -248,9 +314,96 @@ fn check_hello(b: &[u8]) -> Result<()> {
     Ok(())
 }
 
-/// GPU memory behind a cuda-ipc [`Region`].
+/// GPU memory behind a cuda-ipc [`Region`]. When it drops (the region is gone), an exported
+/// one tells its connection, which then revokes the peer's mapping before freeing it.
 #[derive(Debug)]
-struct GpuMemory(Arc<nv::DeviceBuffer>);
+struct GpuMemory(Arc<nv::DeviceBuffer>, Option<(u32, Arc<DropNotices>)>);
+
+impl Drop for GpuMemory {
+    fn drop(&mut self) {
+        if let Some((region, notices)) = &self.1 {
+            notices
+                .regions
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(*region);
+            notices.any.store(true, Ordering::Release);
+        }
+    }
+}
+
+/// Regions of one connection whose memory was dropped (checked with one atomic load per
+/// progress call).
+#[derive(Debug, Default)]
+struct DropNotices {
+    any: AtomicBool,
+    regions: Mutex<Vec<u32>>,
+}
+
+/// This process's exported buffers by allocation id, for an importer in the same process
+/// (where the driver cannot open the handle). Weak: the exporter owns the memory.
+fn local_exports() -> &'static Mutex<HashMap<u64, Weak<nv::DeviceBuffer>>> {
+    static E: OnceLock<Mutex<HashMap<u64, Weak<nv::DeviceBuffer>>>> = OnceLock::new();
+    E.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// A peer's region as this process reaches it.
+#[derive(Debug, Clone)]
+enum Mapped {
+    /// Opened through legacy IPC (another process's memory).
+    Ipc(Arc<nv::IpcMapping>),
+    /// The exporter is this process: its buffer itself.
+    Local(Arc<nv::DeviceBuffer>),
+}
+
+impl Mapped {
+    fn len(&self) -> usize {
+        match self {
+            Mapped::Ipc(m) => m.len(),
+            Mapped::Local(b) => b.len(),
+        }
+    }
+
+    /// Whether nothing but this value holds the mapping (no copy in flight uses it).
+    fn unused(&self) -> bool {
+        match self {
+            Mapped::Ipc(m) => Arc::strong_count(m) == 1,
+            Mapped::Local(_) => true,
+        }
+    }
+
+    fn open(handle: &nv::IpcMemHandle, device: &nv::Device) -> std::result::Result<Self, String> {
+        match handle.open(device) {
+            Ok(m) => Ok(Mapped::Ipc(Arc::new(m))),
+            Err(nv::Error::IpcHandleFromThisProcess) => local_exports()
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(&handle.allocation_id())
+                .and_then(Weak::upgrade)
+                .map(Mapped::Local)
+                .ok_or_else(|| "exported by this process, and already freed".to_string()),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    /// Queues a copy between `local` and this mapping (`write`: into the mapping).
+    fn copy(
+        &self,
+        stream: &nv::Stream,
+        write: bool,
+        off: usize,
+        local: &Arc<nv::DeviceBuffer>,
+        local_off: usize,
+        len: usize,
+    ) -> nv::Result<nv::PendingCopy> {
+        match (self, write) {
+            (Mapped::Ipc(m), true) => nv::copy_async(stream, m, off, local, local_off, len),
+            (Mapped::Ipc(m), false) => nv::copy_async(stream, local, local_off, m, off, len),
+            (Mapped::Local(b), true) => nv::copy_async(stream, b, off, local, local_off, len),
+            (Mapped::Local(b), false) => nv::copy_async(stream, local, local_off, b, off, len),
+        }
+    }
+}
 
 impl DeviceBacking for GpuMemory {
     fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
@@ -388,6 +541,9 @@ fn finish(sock: UnixStream, device: &nv::Device, opts: &Options) -> Result<Box<d
     sock.set_nonblocking(true)
         .map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
     check_peer(&sock)?;
+    let same_process = nv::fd_passing::peer_credentials(&sock)
+        .map(|c| c.pid == std::process::id() as i32)
+        .unwrap_or(false);
     let stream = device.new_stream().map_err(unavailable)?;
     let conn = next_conn_id();
     let max_message = opts.max_message.min(u32::MAX as usize);
@@ -410,6 +566,12 @@ fn finish(sock: UnixStream, device: &nv::Device, opts: &Options) -> Result<Box<d
         inbox: Vec::new(),
         hello_seen: false,
         remote: HashMap::new(),
+        revoked: HashSet::new(),
+        closing: Vec::new(),
+        exports: HashMap::new(),
+        notices: Arc::new(DropNotices::default()),
+        same_process,
+        peer_gone: false,
         copies: VecDeque::new(),
         blocked_since: None,
         wait_limit: opts.handshake_timeout,
@@ -428,7 +590,7 @@ struct RemoteRegion {
     key: u64,
     access: Access,
     /// The opened mapping, or why it could not be opened.
-    mapping: std::result::Result<Arc<nv::IpcMapping>, String>,
+    mapping: std::result::Result<Mapped, String>,
 }
 
 #[derive(Debug)]
@@ -442,6 +604,18 @@ struct CudaIpcHal {
     inbox: Vec<u8>,
     hello_seen: bool,
     remote: HashMap<u32, RemoteRegion>,
+    /// Peer regions it revoked: operations on them fail at once.
+    revoked: HashSet<u32>,
+    /// Revoked peer mappings waiting for their in-flight copies before they close.
+    closing: Vec<(u32, Mapped)>,
+    /// Our exported buffers, kept until the peer closed its mapping (`revoked`) or left.
+    exports: HashMap<u32, Arc<nv::DeviceBuffer>>,
+    /// Exported regions whose memory the user dropped.
+    notices: Arc<DropNotices>,
+    /// The peer is this process (it maps our buffers as `Mapped::Local`, which keeps them).
+    same_process: bool,
+    /// The socket hung up: the peer's mappings are gone.
+    peer_gone: bool,
     copies: VecDeque<(Token, nv::PendingCopy, usize)>,
     blocked_since: Option<Instant>,
     wait_limit: Duration,
@@ -518,11 +692,8 @@ impl CudaIpcHal {
                             "cuda-ipc: more than {MAX_REMOTE_REGIONS} remote regions"
                         )));
                     }
-                    let mapping = a
-                        .handle
-                        .open(&self.device)
-                        .map(Arc::new)
-                        .map_err(|e| e.to_string());
+                    let mapping = Mapped::open(&a.handle, &self.device);
+                    self.revoked.remove(&a.region);
                     self.remote.insert(
                         a.region,
                         RemoteRegion {
@@ -547,6 +718,21 @@ impl CudaIpcHal {
                     };
                     t.complete(rt, status, n, 0);
                 }
+                K_REVOKE => {
+                    let region = decode_revoke(body)?;
+                    self.revoked.insert(region);
+                    match self.remote.remove(&region) {
+                        Some(RemoteRegion { mapping: Ok(m), .. }) => self.closing.push((region, m)),
+                        // Never opened: nothing to close.
+                        _ => self.push_frame(K_REVOKED, &region.to_le_bytes()),
+                    }
+                }
+                K_REVOKED => {
+                    let region = decode_revoke(body)?;
+                    if let Some(buf) = self.exports.remove(&region) {
+                        forget_local_export(&buf);
+                    }
+                }
                 _ => return Err(Error::Protocol("cuda-ipc: second hello".into())),
             }
             at += FRAME_HEADER_LEN + len;
@@ -565,6 +751,7 @@ impl CudaIpcHal {
             match (&self.sock).read(&mut chunk) {
                 Ok(0) => {
                     self.parse(t)?;
+                    self.peer_left();
                     t.fail_all(Status::PeerGone, "cuda-ipc peer hung up");
                     return Ok(());
                 }
@@ -572,6 +759,7 @@ impl CudaIpcHal {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => {
+                    self.peer_left();
                     t.fail_all(Status::PeerGone, format!("cuda-ipc peer: {e}"));
                     return Ok(());
                 }
@@ -608,6 +796,11 @@ impl CudaIpcHal {
             }
             OpDesc::Write { key, off } | OpDesc::Read { key, off } => {
                 let write = matches!(desc, OpDesc::Write { .. });
+                if self.revoked.contains(&key.region) {
+                    t.submit_pop();
+                    t.complete(tok, Status::RemoteAccess, 0, 0);
+                    return true;
+                }
                 let Some(r) = self.remote.get(&key.region) else {
                     // Not announced yet: wait for it, for a while.
                     let since = *self.blocked_since.get_or_insert_with(Instant::now);
@@ -638,12 +831,7 @@ impl CudaIpcHal {
                     t.complete(tok, Status::RemoteAccess, 0, 0);
                     return true;
                 }
-                let off = off as usize;
-                let copy = if write {
-                    nv::copy_async(&self.stream, mapping, off, &local, local_off, len)
-                } else {
-                    nv::copy_async(&self.stream, &local, local_off, mapping, off, len)
-                };
+                let copy = mapping.copy(&self.stream, write, off as usize, &local, local_off, len);
                 match copy {
                     Ok(c) => self.copies.push_back((tok, c, len)),
                     Err(_) => {
@@ -658,6 +846,55 @@ impl CudaIpcHal {
                 t.complete(tok, Status::ProtocolError, 0, 0);
                 true
             }
+        }
+    }
+
+    /// Sends `revoke` for exported regions whose memory the user dropped.
+    fn revoke_dropped(&mut self) {
+        if !self.notices.any.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        let dropped = std::mem::take(
+            &mut *self
+                .notices
+                .regions
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()),
+        );
+        for region in dropped {
+            if self.exports.contains_key(&region) {
+                if self.peer_gone || self.same_process {
+                    // No mapping of another process can be left: free now.
+                    if let Some(buf) = self.exports.remove(&region) {
+                        forget_local_export(&buf);
+                    }
+                } else {
+                    self.push_frame(K_REVOKE, &region.to_le_bytes());
+                }
+            }
+        }
+    }
+
+    /// Closes revoked peer mappings that no copy uses any more, and says so to the peer.
+    fn close_revoked(&mut self) {
+        let mut i = 0;
+        while i < self.closing.len() {
+            if self.closing[i].1.unused() {
+                let (region, mapping) = self.closing.swap_remove(i);
+                drop(mapping);
+                self.push_frame(K_REVOKED, &region.to_le_bytes());
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// The socket hung up: the peer's mappings are closed (with its transport) or gone (with
+    /// its process), so our exports can be freed.
+    fn peer_left(&mut self) {
+        self.peer_gone = true;
+        for (_, buf) in self.exports.drain() {
+            forget_local_export(&buf);
         }
     }
 
@@ -677,6 +914,91 @@ impl CudaIpcHal {
     }
 }
 
+fn forget_local_export(buf: &Arc<nv::DeviceBuffer>) {
+    let mut e = local_exports().lock().unwrap_or_else(|p| p.into_inner());
+    e.retain(|_, w| w.strong_count() > 0 && !std::ptr::eq(w.as_ptr(), Arc::as_ptr(buf)));
+}
+
+impl Drop for CudaIpcHal {
+    /// Closes this side's mappings of the peer's memory first (after the copies using them),
+    /// then makes sure the peer closed its mappings of ours before they are freed: every
+    /// export is revoked and kept until the peer answers or hangs up, for at most the
+    /// handshake timeout; what is still unanswered then is leaked, not freed under the peer.
+    fn drop(&mut self) {
+        self.copies.clear(); // each waits for its copy
+        self.remote.clear();
+        self.closing.clear();
+        if self.exports.is_empty() || self.peer_gone || self.same_process {
+            let exports: Vec<_> = self.exports.drain().map(|(_, b)| b).collect();
+            for buf in &exports {
+                forget_local_export(buf);
+            }
+            return;
+        }
+        let regions: Vec<u32> = self.exports.keys().copied().collect();
+        for region in regions {
+            self.push_frame(K_REVOKE, &region.to_le_bytes());
+        }
+        let deadline = Instant::now() + self.wait_limit;
+        let mut chunk = [0u8; 4096];
+        let mut broken = false;
+        while !self.exports.is_empty() && !broken && Instant::now() < deadline {
+            if self.flush().is_err() {
+                break;
+            }
+            // Frames the peer sent: answers to our revocations, and its own revocations
+            // (our mappings are closed already, so they are answered at once).
+            let mut at = 0;
+            while self.inbox.len() - at >= FRAME_HEADER_LEN {
+                let Ok((kind, len)) = decode_frame_header(&self.inbox[at..], self.max_message)
+                else {
+                    // A peer that sends garbage gets no more answers; its mappings may
+                    // live on, so what it has not answered is kept (below).
+                    self.inbox.clear();
+                    at = 0;
+                    broken = true;
+                    break;
+                };
+                if self.inbox.len() - at < FRAME_HEADER_LEN + len {
+                    break;
+                }
+                let body = &self.inbox[at + FRAME_HEADER_LEN..at + FRAME_HEADER_LEN + len];
+                match (kind, decode_revoke(body)) {
+                    (K_REVOKED, Ok(region)) => {
+                        if let Some(buf) = self.exports.remove(&region) {
+                            forget_local_export(&buf);
+                        }
+                    }
+                    (K_REVOKE, Ok(region)) => self.push_frame(K_REVOKED, &region.to_le_bytes()),
+                    _ => {}
+                }
+                at += FRAME_HEADER_LEN + len;
+            }
+            self.inbox.drain(..at);
+            match (&self.sock).read(&mut chunk) {
+                Ok(0) => {
+                    self.peer_left();
+                    break;
+                }
+                Ok(n) => self.inbox.extend_from_slice(&chunk[..n]),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    let _ = sys::poll_readable(self.sock.as_fd(), Some(Duration::from_millis(10)));
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => {
+                    self.peer_left();
+                    break;
+                }
+            }
+        }
+        // Unanswered: the peer may still map them. Never free memory under it.
+        for (_, buf) in self.exports.drain() {
+            forget_local_export(&buf);
+            std::mem::forget(buf);
+        }
+    }
+}
+
 impl Hal for CudaIpcHal {
     fn kind(&self) -> TransportKind {
         TransportKind::CudaIpc
@@ -691,13 +1013,22 @@ impl Hal for CudaIpcHal {
         } else {
             None
         };
+        let id = t.next_region_id();
+        let notice = handle.is_some().then(|| (id, self.notices.clone()));
+        if let Some(h) = &handle {
+            self.exports.insert(id, buf.clone());
+            local_exports()
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(h.allocation_id(), Arc::downgrade(&buf));
+        }
         let r = Region::device(
-            t.next_region_id(),
+            id,
             self.conn,
             TransportKind::CudaIpc,
             access,
             len,
-            Box::new(GpuMemory(buf)),
+            Box::new(GpuMemory(buf, notice)),
         )?;
         if let Some(handle) = handle {
             let a = Announcement {
@@ -714,6 +1045,8 @@ impl Hal for CudaIpcHal {
     }
 
     fn progress(&mut self, t: &mut Tracker) -> Result<()> {
+        self.revoke_dropped();
+        self.close_revoked();
         self.flush()?;
         self.receive(t)?;
         if t.failure().is_some() {
@@ -735,6 +1068,8 @@ impl Hal for CudaIpcHal {
 
     fn arm(&mut self, t: &Tracker) -> Result<bool> {
         let work = !self.copies.is_empty()
+            || !self.closing.is_empty()
+            || self.notices.any.load(Ordering::Acquire)
             || self.pending_out() > 0
             || (t.has_submissions() && self.blocked_since.is_none())
             || (self.inbox.len() >= FRAME_HEADER_LEN && t.recv_front().is_some());
@@ -788,6 +1123,30 @@ mod tests {
     }
 
     #[test]
+    fn revoke_frames_are_exactly_a_region_id() {
+        let f = encode_frame(K_REVOKE, &7u32.to_le_bytes()).unwrap();
+        assert_eq!(decode_frame_header(&f, 0).unwrap(), (K_REVOKE, REVOKE_LEN));
+        assert_eq!(decode_revoke(&f[FRAME_HEADER_LEN..]).unwrap(), 7);
+        let f = encode_frame(K_REVOKED, &[1, 2, 3]).unwrap();
+        assert!(matches!(
+            decode_frame_header(&f, 1 << 20),
+            Err(DecodeError::TooLong { len: 3, max: 4, .. })
+        ));
+        assert!(decode_revoke(&[1, 2, 3, 4, 5]).is_err());
+        // Every kind the encoder knows decodes (with its fixed length where it has one).
+        for kind in FRAME_KINDS {
+            let len = match kind {
+                K_HELLO => HELLO_LEN,
+                K_ANNOUNCE => ANNOUNCE_LEN,
+                K_REVOKE | K_REVOKED => REVOKE_LEN,
+                _ => 10,
+            };
+            let f = encode_frame(kind, &vec![0; len]).unwrap();
+            assert_eq!(decode_frame_header(&f, 10).unwrap(), (kind, len));
+        }
+    }
+
+    #[test]
     fn announcements_round_trip_and_reject_garbage() {
         let a = Announcement {
             region: 7,
@@ -814,10 +1173,11 @@ mod tests {
         b[0..8].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
         b[8..12].copy_from_slice(&HELLO_VERSION.to_le_bytes());
         check_hello(&b).unwrap();
-        b[8] = 2;
+        // A version-1 peer (no revocations) is refused.
+        b[8] = 1;
         assert!(matches!(
             check_hello(&b),
-            Err(Error::Decode(DecodeError::Version { found: 2, .. }))
+            Err(Error::Decode(DecodeError::Version { found: 1, .. }))
         ));
         b[0] = 0;
         assert!(matches!(
