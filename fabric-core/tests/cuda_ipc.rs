@@ -279,7 +279,13 @@ fn stand_in_counter(name: &str) -> i32 {
 // both ends run here; the real two-process run is the GPU test above)
 
 fn stand_in_dir() -> Option<std::path::PathBuf> {
-    let dir = std::env::temp_dir().join(format!("fabric-cuda-standin-{}", std::process::id()));
+    // One directory per call: tests run in parallel and each removes its own when done.
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "fabric-cuda-standin-{}-{}",
+        std::process::id(),
+        CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
     let c = dir.join("stub.c");
     std::fs::create_dir_all(&dir).ok()?;
     std::fs::write(
