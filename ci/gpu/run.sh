@@ -1,73 +1,164 @@
 #!/usr/bin/env bash
-# The one prepared script for the GPU machine (one H200; budget: keep a run under ~3 min).
-# It runs the binaries ci/gpu/build.sh built on the host (carried in ci/gpu/bin/), prints
-# pass/fail per test and the ipc_bench figures, and writes everything to $OUT/ (or
-# /tmp/nvlink-gpu-out) as gpu-report.txt plus one log per binary.
+# The one prepared script for the GPU machine (one H200). It runs what ci/gpu/build.sh built
+# on the host (carried in ci/gpu/bin/) and writes to $OUT/ (or /tmp/nvlink-gpu-out):
+#   gpu-report.txt  everything printed, in order
+#   summary.txt     one line per step, rewritten after every step (so it is there even if a
+#                   binary hangs or the whole run is killed), then the verdict
+#   <step>.log      each binary's full output
 #
 #   host:  bash ci/gpu/build.sh
 #   GPU:   run(command="bash ci/gpu/run.sh", carry=["ci/gpu/bin"], timeout_s=300)
 #
-# Exit status: 0 when every test passed and both figures met their targets.
+# Order: the machine (kernel, nvidia-smi with compute mode, driver version, the driver
+# library, ldd of the carried binaries), then the probe of what the driver and any sandbox
+# allow, then the tests (--nocapture, so their facts and skips reach this report), then the
+# ipc_bench figures. Every step has its own time limit, and all of them together stay under
+# GPU_RUN_BUDGET_S (default 240 s, well inside the caller's 300 s): a step only gets what
+# is left of the budget.
+#
+# On this machine a test that would skip fails (NVLINK_P2P_REQUIRE_GPU=1), unless the skip is
+# a named limit of the machine: one GPU, or a feature the probe found refused
+# (NVLINK_P2P_PROBE_REFUSED). Such limits are listed in the summary.
+#
+# Exit status: 0 when every step passed and both figures met their targets.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 1
 bin=ci/gpu/bin
 out=${OUT:-/tmp/nvlink-gpu-out}
 mkdir -p "$out"
 exec > >(tee "$out/gpu-report.txt") 2>&1
 
+start=$(date +%s)
+budget=${GPU_RUN_BUDGET_S:-240}
+summary=()
+fail=0
+verdict=INCOMPLETE
+
+write_summary() {
+  {
+    echo "GPU run $(date -u +%Y-%m-%dT%H:%M:%SZ), kernel $(uname -r), $(( $(date +%s) - start )) s"
+    printf '%s\n' "${summary[@]}"
+    grep -h '^limit:' "$out"/*.log 2>/dev/null | sort -u | sed 's/^/  /'
+    grep -h '^figure' "$out/ipc_bench.log" 2>/dev/null | sed 's/^/  /'
+    echo "GPUDirect RDMA (a NIC reading GPU memory through DMA-BUF): UNVERIFIED on this machine"
+    echo "  (${nic_note:-no RDMA NIC checked}); only the GPU driver's DMA-BUF export was tried"
+    echo "overall: $verdict"
+  } >"$out/summary.txt.new" && mv "$out/summary.txt.new" "$out/summary.txt"
+}
+trap 'verdict=${verdict/INCOMPLETE/INCOMPLETE (killed)}; write_summary' TERM INT
+write_summary
+
+# Seconds a step may run: its own limit, capped by what is left of the budget (minus 5 s
+# for the summary). 0 when nothing is left.
+limit_for() {
+  local left=$((budget - ($(date +%s) - start) - 5))
+  ((left < 0)) && left=0
+  ((left < $1)) && echo "$left" || echo "$1"
+}
+
+# run_step NAME LIMIT CMD...: runs CMD with a time limit, output to $out/NAME.log.
+run_step() {
+  local name=$1 want=$2
+  shift 2
+  local lim
+  lim=$(limit_for "$want")
+  if ((lim < 3)); then
+    summary+=("SKIPPED $name: the run's ${budget}s budget is spent")
+    fail=1
+    write_summary
+    return 1
+  fi
+  timeout -k 3 "$lim" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  if ((rc == 124 || rc == 137)); then
+    summary+=("HUNG   $name: killed after ${lim}s")
+    fail=1
+  elif ((rc != 0)); then
+    summary+=("FAIL   $name (rc=$rc)")
+    fail=1
+  else
+    summary+=("ok     $name")
+  fi
+  write_summary
+  return $rc
+}
+
 echo "== machine"
 date -u
-uname -r
-nvidia-smi --query-gpu=index,name,driver_version,memory.total,memory.used --format=csv 2>&1 || echo "(no nvidia-smi)"
-nvidia-smi topo -m 2>&1 | head -20 || true
-ls -l /dev/nvidia* 2>/dev/null | head -20 || true
+echo "kernel: $(uname -r) ($(uname -v))"
+nvidia-smi --query-gpu=index,name,driver_version,compute_mode,memory.total,memory.used,pci.bus_id \
+  --format=csv 2>&1 || echo "(nvidia-smi failed or is missing)"
+nvidia-smi -q 2>/dev/null | grep -iE 'driver version|cuda version|compute mode|mig mode' | sed 's/^ */  /' | sort -u
+nvidia-smi topo -m 2>&1 | head -12 || true
+echo "libcuda on the loader's path:"
+ldconfig -p 2>/dev/null | grep -E 'libcuda\.so' | sed 's/^/  /' || echo "  (ldconfig -p has none)"
+echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
+rdma_devs=$(find /sys/class/infiniband/ -mindepth 1 -maxdepth 1 -printf '%f ' 2>/dev/null)
+if [ -n "$rdma_devs" ]; then
+  nic_note="RDMA devices present: ${rdma_devs}not used by this run"
+else
+  nic_note="no RDMA NIC here (/sys/class/infiniband is empty or missing)"
+fi
+echo "rdma: $nic_note"
+echo "== carried binaries (ldd)"
+for f in "$bin"/*; do
+  [ -f "$f" ] || continue
+  echo "-- $f"
+  ldd "$f" 2>&1 | sed 's/^/  /'
+done
+if [ ! -x "$bin/gpu_probe" ]; then
+  echo "MISSING $bin: run ci/gpu/build.sh on the host and carry ci/gpu/bin"
+  summary+=("MISSING $bin/gpu_probe: nothing was carried?")
+  verdict=FAIL
+  write_summary
+  exit 1
+fi
+
+echo "== probe: what the driver and any sandbox allow"
+run_step probe 25 "$bin/gpu_probe"
+cat "$out/probe.log"
+refused=$(sed -n 's/^PROBE_REFUSED=//p' "$out/probe.log" | tail -n1)
+export NVLINK_P2P_PROBE_REFUSED=$refused
+echo "features this machine refuses (named limits for the tests): ${refused:-none}"
+summary+=("       probe: refused here: ${refused:-none}")
 
 echo "== topology (gpu_topology)"
-[ -x "$bin/gpu_topology" ] && timeout 20 "$bin/gpu_topology" 2>&1 | tee "$out/gpu_topology.log"
+run_step gpu_topology 15 "$bin/gpu_topology"
+cat "$out/gpu_topology.log"
 
-# On this machine a missing GPU is a failure, not a skip.
+# On this machine a missing GPU, or a skip that is not a named limit, is a failure.
 export NVLINK_P2P_REQUIRE_GPU=1
 export RUST_BACKTRACE=1
-fail=0
-summary=()
-for t in lib no_driver fake_driver fd_passing gpu cuda_ipc; do
-  exe=$bin/$t
+# Per-binary limits: 15+15+30+15+60+30 = 165 s worst case; a normal run takes about a minute.
+for t in lib:15 no_driver:15 fake_driver:30 fd_passing:15 gpu:60 cuda_ipc:30; do
+  name=${t%%:*}
+  lim=${t##*:}
+  exe=$bin/$name
+  echo "== tests: $name (limit ${lim}s)"
   if [ ! -x "$exe" ]; then
-    echo "MISSING $exe: run ci/gpu/build.sh on the host and carry ci/gpu/bin"
-    summary+=("MISSING $t")
+    echo "MISSING $exe"
+    summary+=("MISSING $name")
     fail=1
+    write_summary
     continue
   fi
-  echo "== tests: $t"
-  # Worst case (everything hangs) stays under 300 s in total; a normal run takes ~1 min.
-  case $t in gpu) limit=90 ;; cuda_ipc) limit=45 ;; *) limit=20 ;; esac
-  timeout "$limit" "$exe" --test-threads=1 >"$out/$t.log" 2>&1
-  rc=$?
-  # One line per test (pass/fail), plus skips and the test's own printed facts.
-  grep -E '^test .* \.\.\. |^skipped|skipped:|^device |^driver |^Peer|unsupported|supported:|dma-buf|panicked|^test result' "$out/$t.log"
-  if [ $rc -ne 0 ]; then
-    echo "-- $t failed (rc=$rc); tail of its log:"
-    tail -40 "$out/$t.log"
+  run_step "$name" "$lim" "$exe" --test-threads=1 --nocapture
+  # Per test: its verdict, plus the facts, skips and limits it printed.
+  grep -E '^test .* \.\.\. |^skipped|^limit:|^not (needed|applicable)|^driver |^device |^Peer|^dma-buf|^fabric|^no fabric|^variant|panicked|^test result' "$out/$name.log"
+  if grep -q '^skipped' "$out/$name.log"; then
+    # Should not happen with NVLINK_P2P_REQUIRE_GPU=1: say so loudly.
+    summary+=("FAIL   $name printed 'skipped' lines on the GPU machine (see $name.log)")
     fail=1
-    summary+=("FAIL $t (rc=$rc)")
-  else
-    summary+=("ok   $t")
   fi
+  tail -n 5 "$out/$name.log"
 done
 
 echo "== ipc_bench (1 GiB)"
-if [ -x "$bin/ipc_bench" ]; then
-  timeout 60 "$bin/ipc_bench" --size-mib 1024 --iters 20 2>&1 | tee "$out/ipc_bench.log"
-  rc=${PIPESTATUS[0]}
-  if [ $rc -ne 0 ]; then fail=1; summary+=("FAIL ipc_bench (rc=$rc; 2 = a figure missed its target)"); else summary+=("ok   ipc_bench"); fi
-else
-  echo "MISSING $bin/ipc_bench"
-  summary+=("MISSING ipc_bench")
-  fail=1
-fi
+run_step ipc_bench 40 "$bin/ipc_bench" --size-mib 1024 --iters 20
+cat "$out/ipc_bench.log"
 
 echo "== summary"
-printf '%s\n' "${summary[@]}"
-grep -h '^figure' "$out/ipc_bench.log" 2>/dev/null || true
-echo "overall: $([ $fail -eq 0 ] && echo PASS || echo FAIL)"
+if ((fail == 0)); then verdict=PASS; else verdict=FAIL; fi
+write_summary
+cat "$out/summary.txt"
 exit $fail
