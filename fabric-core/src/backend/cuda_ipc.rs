@@ -74,20 +74,23 @@ pub static ENTRY: BackendEntry = BackendEntry {
 
 /// Length of a frame header: kind, three zero bytes, `u32` body length.
 pub const FRAME_HEADER_LEN: usize = 8;
-/// Frame kinds.
-const K_HELLO: u8 = 1;
-const K_ANNOUNCE: u8 = 2;
-const K_MSG: u8 = 3;
-/// The exporter asks the peer to close its mapping of a region (body: region id).
-const K_REVOKE: u8 = 4;
-/// The peer closed its mapping of a region (body: region id).
-const K_REVOKED: u8 = 5;
+/// Frame kind: the hello that opens a connection (body: magic, version, device UUID).
+pub const K_HELLO: u8 = 1;
+/// Frame kind: a region announcement (body: [`Announcement`]).
+pub const K_ANNOUNCE: u8 = 2;
+/// Frame kind: a two-sided message (body: the message).
+pub const K_MSG: u8 = 3;
+/// Frame kind: the exporter asks the peer to close its mapping of a region (body: region id).
+pub const K_REVOKE: u8 = 4;
+/// Frame kind: the peer closed its mapping of a region (body: region id).
+pub const K_REVOKED: u8 = 5;
 /// Length of a revoke / revoked body.
-const REVOKE_LEN: usize = 4;
+pub const REVOKE_LEN: usize = 4;
+/// Length of a hello body.
+pub const HELLO_LEN: usize = 32;
 const HELLO_MAGIC: u64 = 0x3130_4144_5543_4246; // "FBCUDA01"
 /// 2: revoke / revoked frames; the IPC handle carries the exporter's allocation id.
 const HELLO_VERSION: u32 = 2;
-const HELLO_LEN: usize = 32;
 /// Length of an announcement body.
 pub const ANNOUNCE_LEN: usize = 16 + nv::IpcMemHandle::ENCODED_LEN;
 const MAX_REMOTE_REGIONS: usize = 65_536;
