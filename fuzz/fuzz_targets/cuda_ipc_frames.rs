@@ -6,9 +6,8 @@
 
 use arbitrary::{Arbitrary, Unstructured};
 use fabric_core::backend::cuda_ipc::{
-    decode_frame_header, decode_revoke, encode_frame, Announcement, ANNOUNCE_LEN,
-    FRAME_HEADER_LEN, FRAME_KINDS, HELLO_LEN, K_ANNOUNCE, K_HELLO, K_MSG, K_REVOKE, K_REVOKED,
-    REVOKE_LEN,
+    decode_frame_header, decode_revoke, encode_frame, Announcement, ANNOUNCE_LEN, FRAME_HEADER_LEN,
+    FRAME_KINDS, HELLO_LEN, K_ANNOUNCE, K_HELLO, K_MSG, K_REVOKE, K_REVOKED, REVOKE_LEN,
 };
 use fabric_core::Access;
 use libfuzzer_sys::fuzz_target;
@@ -98,7 +97,10 @@ fuzz_target!(|data: &[u8]| {
 
     let revoke_kind = if f.kind & 1 == 0 { K_REVOKE } else { K_REVOKED };
     let frame = encode_frame(revoke_kind, &f.region.to_le_bytes()).unwrap();
-    assert_eq!(decode(&frame), Some((revoke_kind, &f.region.to_le_bytes()[..])));
+    assert_eq!(
+        decode(&frame),
+        Some((revoke_kind, &f.region.to_le_bytes()[..]))
+    );
 
     if f.message.len() <= MAX_BODY {
         let frame = encode_frame(K_MSG, &f.message).unwrap();

@@ -505,9 +505,11 @@ impl Device {
     /// # Errors
     /// [`Error::Driver`].
     pub fn memory_info(&self) -> Result<(usize, usize)> {
-        self.ctx
-            .mem_get_info()
-            .map_err(|e| cudarc_error("cuMemGetInfo", e))
+        keeping_current(|| {
+            self.ctx
+                .mem_get_info()
+                .map_err(|e| cudarc_error("cuMemGetInfo", e))
+        })
     }
 
     /// Creates a second, independent (non-primary) context on the same GPU. Memory of one

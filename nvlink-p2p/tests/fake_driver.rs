@@ -602,6 +602,8 @@ fn calls_keep_the_callers_context_and_drops_survive_sticky_errors() {
         assert_eq!(current_context(), foreign, "host copies");
         let stream = dev.new_stream().unwrap();
         assert_eq!(current_context(), foreign, "new_stream");
+        dev.memory_info().unwrap();
+        assert_eq!(current_context(), foreign, "memory_info");
         let other = Arc::new(dev.alloc(4096).unwrap());
         let copy = copy_async(&stream, &other, 0, &buf, 0, 4096).unwrap();
         assert_eq!(current_context(), foreign, "copy_async");
