@@ -125,6 +125,10 @@ summary+=("       probe: refused here: ${refused:-none}")
 echo "== topology (gpu_topology)"
 run_step gpu_topology 15 "$bin/gpu_topology"
 cat "$out/gpu_topology.log"
+if grep -q '^no GPU available' "$out/gpu_topology.log"; then
+  summary+=("FAIL   gpu_topology saw no GPU")
+  fail=1
+fi
 
 # On this machine a missing GPU, or a skip that is not a named limit, is a failure.
 export NVLINK_P2P_REQUIRE_GPU=1
