@@ -206,6 +206,17 @@ fn legacy_ipc_between_processes() {
     let dev = cuda.device(0).unwrap();
     let buf = Arc::new(DeviceBuffer::new(&dev, LEN).unwrap());
     buf.write(0, &pattern(LEN, 7)).unwrap();
+    // Opening our own export: caught before the driver, which refuses it. What the driver
+    // itself says (a handle without our allocation id gets past the check) is printed.
+    let own = buf.ipc_handle().unwrap();
+    assert!(matches!(
+        own.open(&dev),
+        Err(Error::IpcHandleFromThisProcess)
+    ));
+    match IpcMemHandle::from_parts(*own.raw(), own.len(), own.device_uuid()).open(&dev) {
+        Err(e) => println!("driver on opening an IPC handle in its exporter: {e}"),
+        Ok(_) => panic!("the driver opened an IPC handle in the exporting process"),
+    }
     let event = IpcEvent::new(&dev).unwrap();
     let l = Listener::new("ipc");
     let child = spawn_child(
@@ -228,6 +239,41 @@ fn legacy_ipc_between_processes() {
     );
     assert_eq!(recv(&sock), b"closed");
     expect_success(child, "IPC importer");
+}
+
+/// Code on the same thread that uses its own context (the CUDA runtime, PyTorch) finds it
+/// still current after this crate's calls.
+#[test]
+fn calls_leave_the_callers_context_current() {
+    use nvlink_p2p::cudarc::driver::sys;
+    let Some(cuda) = gpu() else { return };
+    let dev = cuda.device(0).unwrap();
+    let callers = dev.new_context().unwrap();
+    let current = || {
+        let mut c: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; the driver is initialised.
+        #[allow(unsafe_code)]
+        let r = unsafe { sys::cuCtxGetCurrent(&mut c) };
+        assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+        c
+    };
+    // SAFETY: `callers` keeps the context alive for the whole test.
+    #[allow(unsafe_code)]
+    let r = unsafe { sys::cuCtxSetCurrent(callers.context().cu_ctx()) };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+    let mine = callers.context().cu_ctx();
+    let a = Arc::new(dev.alloc(1 << 20).unwrap());
+    a.write(0, &pattern(1 << 20, 2)).unwrap();
+    let b = Arc::new(dev.alloc(1 << 20).unwrap());
+    let stream = dev.new_stream().unwrap();
+    copy_async(&stream, &b, 0, &a, 0, 1 << 20)
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert!(b.to_vec().unwrap() == pattern(1 << 20, 2));
+    dev.memory_info().unwrap();
+    drop((a, b, stream));
+    assert_eq!(current(), mine, "a call left another context current");
 }
 
 #[test]
