@@ -310,8 +310,8 @@ impl VmmAllocation {
             ));
         }
         require_vmm(device, ShareableHandleType::PosixFd)?;
-        let size = checked_peer_size(device, ShareableHandleType::PosixFd, desc.size)?;
         let _ctx = device.bind()?;
+        let size = checked_peer_size(device, ShareableHandleType::PosixFd, desc.size)?;
         let mut handle = 0;
         // SAFETY: for POSIX_FILE_DESCRIPTOR the "pointer" is the fd value itself; the driver
         // validates it and does not take ownership.
@@ -337,8 +337,8 @@ impl VmmAllocation {
     /// As [`VmmAllocation::new_fabric`].
     pub fn import_fabric(device: &Device, handle: &FabricHandle) -> Result<Arc<Self>> {
         require_vmm(device, ShareableHandleType::Fabric)?;
-        let size = checked_peer_size(device, ShareableHandleType::Fabric, handle.size())?;
         let _ctx = device.bind()?;
+        let size = checked_peer_size(device, ShareableHandleType::Fabric, handle.size())?;
         let mut raw = sys::CUmemFabricHandle {
             data: *handle.raw(),
         };
