@@ -265,6 +265,13 @@ pub mod fuzzing {
     }
 }
 
+/// The `#[repr(C)]` mirrors of `verbs.h`, for the bindgen layout proof in `ffi-check/`.
+/// Not a stable API.
+#[doc(hidden)]
+pub mod ffi_mirror {
+    pub use crate::sys::*;
+}
+
 /// The raw `verbs.h` types for the expert layer ([`QueuePair::post_send_raw`],
 /// [`QueuePair::post_recv_raw`], [`CompletionQueue::poll_raw`]).
 pub mod raw {
