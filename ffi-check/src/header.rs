@@ -70,6 +70,18 @@ pub fn generate(include_dirs: &[PathBuf]) -> Result<Result<String, String>, Unav
         Ok(bindings) => Ok(Ok(bindings.to_string())),
         Err(e) => {
             let msg = e.to_string();
+            let missing = msg
+                .split("fatal error: '")
+                .nth(1)
+                .and_then(|rest| rest.split_once("' file not found"))
+                .map(|(file, _)| file.to_string());
+            if let Some(file) = missing.filter(|f| !f.starts_with("infiniband/")) {
+                // libclang1 without libclang-common-dev: clang lacks its builtin headers.
+                return Err(Unavailable(format!(
+                    "libclang cannot find its builtin headers ('{file}' not found; install \
+                     libclang-dev)"
+                )));
+            }
             if msg.contains("verbs.h' file not found") || msg.contains("verbs.h: No such file") {
                 Err(Unavailable(format!(
                     "infiniband/verbs.h not found (install libibverbs-dev){}",
