@@ -615,11 +615,10 @@ pub fn check(m: &Mirror, h: &Header) -> Report {
                 }
                 continue;
             }
-            if let Some(o) = omitted_of(t.name, hname, &hf.name) {
+            if omitted_of(t.name, hname, &hf.name).is_some() {
                 if hf.offset.is_some_and(|off| off >= covered_end) {
                     trailing_omitted = true;
                 }
-                let _ = o.reason;
                 continue;
             }
             r.problems.push(format!(
@@ -644,6 +643,12 @@ pub fn check(m: &Mirror, h: &Header) -> Report {
 
     // Stale or misplaced omission entries.
     for o in m.omitted {
+        if o.reason.trim().is_empty() {
+            r.problems.push(format!(
+                "OMITTED_FIELDS: {}.{} gives no reason",
+                o.c_type, o.field
+            ));
+        }
         let Some(t) = mirror_by_name.get(o.c_type) else {
             r.problems.push(format!(
                 "OMITTED_FIELDS: `{}` is not a mirrored type",
