@@ -18,9 +18,10 @@
 //! * a constant the header lacks needs a doc line `` C: `sizeof(struct x)` ``.
 //!
 //! The C program in `layout_tests` (compiled with the system `cc`) stays as a second,
-//! independent witness that needs neither libclang nor bindgen: it checks the same mirrors
-//! through `offsetof`/`sizeof` of the real compiler, and runs wherever only `cc` and the
-//! headers exist; the bindgen check is the complete one (every field, type and signature).
+//! independent witness that needs neither libclang nor bindgen: it samples the same mirrors
+//! through `offsetof`/`sizeof` of the system C compiler (not clang's), and runs wherever only
+//! `cc` and the headers exist; the bindgen check is the complete one (every field, type and
+//! signature). Both search `FABRIC_VERBS_INCLUDE` first, to check another rdma-core.
 #![allow(
     non_camel_case_types,
     dead_code,
