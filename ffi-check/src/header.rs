@@ -44,6 +44,8 @@ pub struct Header {
     pub aliases: BTreeMap<String, syn::Type>,
     /// Enumerators and integer macros.
     pub consts: BTreeMap<String, i128>,
+    /// Declared functions, as `unsafe extern "C" fn(..) -> ..` types.
+    pub functions: BTreeMap<String, syn::Type>,
 }
 
 /// Runs bindgen over `#include <infiniband/verbs.h>`, searching `include_dirs` before the
@@ -235,6 +237,32 @@ pub fn parse(src: &str) -> Result<Header, String> {
             syn::Item::Const(c) => {
                 if let Some(v) = int_lit(&c.expr) {
                     h.consts.insert(c.ident.to_string(), v);
+                }
+            }
+            syn::Item::ForeignMod(fm) => {
+                for fi in &fm.items {
+                    let syn::ForeignItem::Fn(f) = fi else {
+                        continue;
+                    };
+                    if f.sig.variadic.is_some() {
+                        continue;
+                    }
+                    let args: Vec<String> = f
+                        .sig
+                        .inputs
+                        .iter()
+                        .filter_map(|a| match a {
+                            syn::FnArg::Typed(t) => {
+                                Some(quote::ToTokens::to_token_stream(&*t.ty).to_string())
+                            }
+                            syn::FnArg::Receiver(_) => None,
+                        })
+                        .collect();
+                    let ret = quote::ToTokens::to_token_stream(&f.sig.output).to_string();
+                    let text = format!("unsafe extern \"C\" fn({}) {ret}", args.join(", "));
+                    if let Ok(t) = syn::parse_str::<syn::Type>(&text) {
+                        h.functions.insert(f.sig.ident.to_string(), t);
+                    }
                 }
             }
             _ => {}

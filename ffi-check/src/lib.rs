@@ -20,6 +20,8 @@
 //! For every mirrored type: size, alignment, and each field's offset, size and type (pointer
 //! targets, arrays, integer widths; function pointers with their full signature, which covers
 //! the op table's `post_send`, `post_recv`, `poll_cq`, `req_notify_cq`, `post_srq_recv`).
+//! The prototypes of the entry points `ibverbs-safe/src/loader.rs` resolves with dlsym are
+//! compared with the header's declarations of those functions the same way.
 //! Every header field must be mirrored or listed, with its reason, in
 //! `ibverbs_safe::ffi_mirror::OMITTED_FIELDS`. Every constant must exist in the header with
 //! the same value, as must the Rust enums' values in `ffi_mirror::enum_values()`. The
@@ -90,6 +92,17 @@ pub struct MirrorConst {
     pub value: i128,
 }
 
+/// An entry point `ibverbs-safe/src/loader.rs` resolves with dlsym.
+#[derive(Debug, Clone)]
+pub struct LoaderEntry {
+    /// The field of `struct Verbs`.
+    pub field: &'static str,
+    /// The C symbol (empty when loader.rs names none for this field).
+    pub symbol: &'static str,
+    /// The field's function-pointer type, as source tokens.
+    pub ty: &'static str,
+}
+
 /// Everything the mirrors declare.
 #[derive(Debug, Clone)]
 pub struct Mirror {
@@ -99,6 +112,8 @@ pub struct Mirror {
     pub aliases: Vec<(&'static str, &'static str)>,
     /// Integer constants.
     pub consts: Vec<MirrorConst>,
+    /// The dlsym'd entry points of `loader.rs`.
+    pub loader: Vec<LoaderEntry>,
     /// The header fields the mirrors leave out on purpose.
     pub omitted: &'static [ibverbs_safe::ffi_mirror::OmittedField],
     /// Enum values the crate keeps outside `sys` (`(C name, value)`).
@@ -515,7 +530,22 @@ pub fn check(m: &Mirror, h: &Header) -> Report {
         }
     };
     let haliases = |n: &str| h.aliases.get(n).cloned();
-    let hnamed = |n: &str| h.types.get(n).map(|t| t.name.clone());
+    // A mirror may stand for a second header type in prototypes (`C alias:` doc line), as
+    // `ibv_port_attr` does for `_compat_ibv_port_attr`.
+    let header_alias: BTreeMap<&str, String> = m
+        .types
+        .iter()
+        .filter_map(|t| {
+            let a = annotation(t.doc, "C alias:")?.trim();
+            Some((a, map.get(t.name)?.clone()))
+        })
+        .collect();
+    let hnamed = |n: &str| {
+        header_alias
+            .get(n)
+            .cloned()
+            .or_else(|| h.types.get(n).map(|t| t.name.clone()))
+    };
     let omitted_of = |mname: &str, hname: &str, field: &str| {
         m.omitted
             .iter()
@@ -671,6 +701,42 @@ pub fn check(m: &Mirror, h: &Header) -> Report {
                     ht.name, o.field
                 ));
             }
+        }
+    }
+
+    // Prototypes of the entry points loader.rs resolves by name.
+    if m.loader.is_empty() {
+        r.problems
+            .push("loader.rs: no entry points found in `struct Verbs`".to_string());
+    }
+    for e in &m.loader {
+        r.signatures += 1;
+        let what = format!("loader.rs Verbs.{} ({})", e.field, e.symbol);
+        if e.symbol.is_empty() {
+            r.problems.push(format!(
+                "loader.rs Verbs.{}: no \"ibv_{}\" symbol named in loader.rs",
+                e.field, e.field
+            ));
+            continue;
+        }
+        let Some(cty) = h.functions.get(e.symbol) else {
+            r.problems
+                .push(format!("{what}: verbs.h declares no such function"));
+            continue;
+        };
+        let Ok(mty) = syn::parse_str::<syn::Type>(e.ty) else {
+            r.problems.push(format!("{what}: cannot parse `{}`", e.ty));
+            continue;
+        };
+        let mut ms = shape(&mty, &maliases, &mnamed, 0);
+        if let Shape::Opt(inner) = ms {
+            ms = *inner; // optional entry points (absent on old libraries)
+        }
+        let hs = shape(cty, &haliases, &hnamed, 0);
+        if !same(&ms, &hs, true) {
+            r.problems.push(format!(
+                "{what}: type `{ms}` in ibverbs-safe, `{hs}` in verbs.h"
+            ));
         }
     }
 

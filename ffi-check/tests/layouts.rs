@@ -199,6 +199,19 @@ fn planted_mirror_errors_are_named() {
             let a = m.aliases.iter_mut().find(|x| x.0 == "PollCqFn").unwrap();
             a.1 = "unsafe extern \"C\" fn(cq: *mut ibv_cq, n: c_uint, wc: *mut ibv_wc) -> c_int";
         }),
+        ("loader.rs Verbs.query_port (ibv_query_port): type", |m| {
+            let e = m.loader.iter_mut().find(|e| e.field == "query_port").unwrap();
+            e.ty = "unsafe extern \"C\" fn(*mut ibv_context, u32, *mut ibv_port_attr) -> c_int";
+        }),
+        ("loader.rs Verbs.ack_cq_events (ibv_ack_cq_events): type", |m| {
+            let e = m.loader.iter_mut().find(|e| e.field == "ack_cq_events").unwrap();
+            e.ty = "unsafe extern \"C\" fn(*mut ibv_cq, c_int)";
+        }),
+        ("in ibverbs-safe, `extern \"C\" fn(*mut ibv_context, u8, *mut _compat_ibv_port_attr) -> i32` in verbs.h", |m| {
+            // Without its `C alias:` line the mirror no longer stands for the compat struct.
+            let t = m.types.iter_mut().find(|t| t.name == "ibv_port_attr").unwrap();
+            t.doc = "";
+        }),
         (
             "ibv_wc.dlid_path_bits: in verbs.h (offset 45) but neither mirrored nor listed",
             |m| {

@@ -13,7 +13,8 @@
 //!   `` C field: `a.b` `` names a nested member, `` `first..=last` `` a run of fields, and
 //!   `` `{x, y}` `` the anonymous member holding `x` and `y`; a field named `_...` is opaque
 //!   storage (only its offset and size are compared);
-//! * a mirror whose name the header lacks is matched through the field that holds it;
+//! * a mirror whose name the header lacks is matched through the field that holds it; a
+//!   doc line `` C alias: `name` `` lets it stand for that header type in prototypes;
 //! * a header field the mirror leaves out must be listed in [`OMITTED_FIELDS`], with why;
 //! * a constant the header lacks needs a doc line `` C: `sizeof(struct x)` ``.
 //!
@@ -107,6 +108,8 @@ pub struct ibv_device_attr {
 /// every rdma-core version). Newer fields (`port_cap_flags2`, `active_speed_ex`) are only
 /// filled by the header's inline `ibv_query_port` through `query_port_ex`, so they are left
 /// out (see [`OMITTED_FIELDS`]); the mirror is the same whichever header is installed.
+///
+/// C alias: `_compat_ibv_port_attr`
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ibv_port_attr {
