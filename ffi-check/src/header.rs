@@ -48,8 +48,9 @@ pub struct Header {
     pub functions: BTreeMap<String, syn::Type>,
 }
 
-/// Runs bindgen over `#include <infiniband/verbs.h>`, searching `include_dirs` before the
-/// system directories, and returns the generated Rust source.
+/// Runs bindgen over `#include <infiniband/verbs.h>` (and `<rdma/rdma_cma.h>` where
+/// installed, for rdma_cm mirrors), searching `include_dirs` before the system directories,
+/// and returns the generated Rust source.
 ///
 /// # Errors
 /// [`Unavailable`] when libclang cannot be loaded or the header is not found; any other
@@ -59,7 +60,13 @@ pub fn generate(include_dirs: &[PathBuf]) -> Result<Result<String, String>, Unav
         clang_sys::load().map_err(|e| Unavailable(format!("libclang not found ({e})")))?;
     }
     let mut b = bindgen::Builder::default()
-        .header_contents("ffi_check.h", "#include <infiniband/verbs.h>\n")
+        .header_contents(
+            "ffi_check.h",
+            "#include <infiniband/verbs.h>\n\
+             #if __has_include(<rdma/rdma_cma.h>)\n\
+             #include <rdma/rdma_cma.h>\n\
+             #endif\n",
+        )
         .prepend_enum_name(false)
         .generate_comments(false)
         .derive_debug(false)

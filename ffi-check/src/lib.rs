@@ -35,7 +35,6 @@
 //! `infiniband/verbs.h` under `build/include`), or against an unpacked newer `libibverbs-dev`
 //! package (`usr/include`). The test suite also runs the check on a copy of the installed
 //! header with the newest known change applied (`ibv_port_attr` growing `active_speed_ex`).
-#![allow(clippy::too_many_lines)]
 
 pub mod header;
 

@@ -1,10 +1,9 @@
 //! The bindgen proof of ibverbs-safe's `#[repr(C)]` mirrors (see the crate docs), and tests
 //! that it fails, naming type and field, when mirror and header disagree.
-use fabric_ffi_check::{
-    check, include_dirs_from_env, load_header, mirror, Header, Report, Unavailable,
-};
+use fabric_ffi_check::{check, header, include_dirs_from_env, mirror, Header, Report, Unavailable};
 use std::io::Write as _;
 use std::path::PathBuf;
+use std::sync::OnceLock;
 
 /// `FABRIC_REQUIRE` (comma-separated capabilities) names `libclang`: a skip is a failure.
 fn required() -> bool {
@@ -21,9 +20,27 @@ fn skip(test: &str, why: &str) {
     let _ = writeln!(std::io::stdout().lock(), "skipped: ffi-check {test}: {why}");
 }
 
+type Generated = Result<Result<String, String>, Unavailable>;
+
 /// bindgen's view of `verbs.h` (include dirs searched first), or a skip naming what is missing.
 fn header_or_skip(test: &str, dirs: &[PathBuf]) -> Option<Header> {
-    match load_header(dirs) {
+    parse_or_skip(test, header::generate(dirs))
+}
+
+/// As [`header_or_skip`] for the installed header (and `FABRIC_VERBS_INCLUDE`), running
+/// bindgen once for all the tests that use it.
+fn installed_or_skip(test: &str) -> Option<Header> {
+    static INSTALLED: OnceLock<Generated> = OnceLock::new();
+    parse_or_skip(
+        test,
+        INSTALLED
+            .get_or_init(|| header::generate(&include_dirs_from_env()))
+            .clone(),
+    )
+}
+
+fn parse_or_skip(test: &str, generated: Generated) -> Option<Header> {
+    match generated.map(|g| g.and_then(|src| header::parse(&src))) {
         Ok(Ok(h)) => Some(h),
         Ok(Err(e)) => panic!("ffi-check {test}: {e}"),
         Err(Unavailable(why)) => {
@@ -40,7 +57,7 @@ fn say(r: &Report) {
 #[test]
 fn mirrors_match_installed_verbs_h() {
     let test = "mirrors_match_installed_verbs_h";
-    let Some(h) = header_or_skip(test, &include_dirs_from_env()) else {
+    let Some(h) = installed_or_skip(test) else {
         return;
     };
     let r = check(&mirror(), &h);
@@ -156,7 +173,7 @@ fn header_change_is_named_by_type_and_field() {
 #[test]
 fn planted_mirror_errors_are_named() {
     let test = "planted_mirror_errors_are_named";
-    let Some(h) = header_or_skip(test, &include_dirs_from_env()) else {
+    let Some(h) = installed_or_skip(test) else {
         return;
     };
     type Plant = fn(&mut fabric_ffi_check::Mirror);
