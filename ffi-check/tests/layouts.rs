@@ -61,6 +61,13 @@ fn mirrors_match_installed_verbs_h() {
         return;
     };
     let r = check(&mirror(), &h);
+    let dirs = include_dirs_from_env();
+    if !dirs.is_empty() {
+        let _ = writeln!(
+            std::io::stdout().lock(),
+            "ffi-check: FABRIC_VERBS_INCLUDE={dirs:?}"
+        );
+    }
     say(&r);
     assert!(r.problems.is_empty(), "mirrors disagree with verbs.h:\n{r}");
     // The op table's five data-path entries are compared as signatures.
@@ -92,9 +99,8 @@ fn patched_headers(name: &str, edit: impl Fn(&str) -> String) -> Option<PathBuf>
     }
     let verbs = ib.join("verbs.h");
     let text = std::fs::read_to_string(&verbs).unwrap();
-    let new = edit(&text);
-    assert_ne!(new, text, "the patch did not apply to {}", verbs.display());
-    std::fs::write(&verbs, new).unwrap();
+    // Whether the patch took is asserted by each test on the parsed result.
+    std::fs::write(&verbs, edit(&text)).unwrap();
     Some(dir)
 }
 
@@ -133,7 +139,13 @@ fn insert_after(text: &str, anchor: &str, line: &str) -> String {
 #[test]
 fn newer_header_with_active_speed_ex_passes() {
     let test = "newer_header_with_active_speed_ex_passes";
-    let edit = |t: &str| insert_after(t, "port_cap_flags2;", "\tuint32_t\t\tactive_speed_ex;");
+    let edit = |t: &str| {
+        if t.contains("active_speed_ex;") {
+            t.to_string() // already a newer header (FABRIC_VERBS_INCLUDE)
+        } else {
+            insert_after(t, "port_cap_flags2;", "\tuint32_t\t\tactive_speed_ex;")
+        }
+    };
     with_patched(test, edit, |h| {
         let pa = &h.types["ibv_port_attr"];
         assert!(pa.fields.iter().any(|f| f.name == "active_speed_ex"));
