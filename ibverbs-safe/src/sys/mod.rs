@@ -32,9 +32,10 @@
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
 
-// `ibv_send_wr`'s `_bind_mw_tso` storage, the `wr.ud.ah` pointer inside a union and the op
-// table's slot offsets are written for 64-bit pointers (LP64), the only ABI rdma-core ships
-// providers for; a 32-bit build would silently disagree with `verbs.h`.
+// The unions are written for 64-bit pointers: `ibv_send_wr`'s `_bind_mw_tso` storage is
+// `[u64; 6]` because the `bind_mw`/`tso` union holds pointers and is 48 bytes only on LP64,
+// and `ibv_send_wr_wr` relies on `wr.ud.ah` being 8 bytes. The layouts are proven on LP64
+// only; a 32-bit build would silently disagree with `verbs.h`.
 #[cfg(not(target_pointer_width = "64"))]
 compile_error!(
     "ibverbs-safe's verbs.h mirrors (src/sys/mod.rs) assume 64-bit pointers; \
@@ -104,8 +105,8 @@ pub struct ibv_device_attr {
 }
 
 /// `struct _compat_ibv_port_attr`: the prefix of `struct ibv_port_attr` that the versioned
-/// `ibv_query_port@IBVERBS_1.1` we call writes (it copies 48 bytes, through `flags`, on
-/// every rdma-core version). Newer fields (`port_cap_flags2`, `active_speed_ex`) are only
+/// `ibv_query_port@IBVERBS_1.1` we call writes (it copies 48 bytes, through `flags`: seen in
+/// the machine code of rdma-core 44 and 56.1, and fixed by that symbol's ABI). Newer fields (`port_cap_flags2`, `active_speed_ex`) are only
 /// filled by the header's inline `ibv_query_port` through `query_port_ex`, so they are left
 /// out (see [`OMITTED_FIELDS`]); the mirror is the same whichever header is installed.
 ///
@@ -558,13 +559,33 @@ pub const OMITTED_FIELDS: &[OmittedField] = &[
         c_type: "ibv_port_attr",
         field: "active_speed_ex",
         newer: true,
-        reason: "appended by rdma-core releases newer than Debian 12's 44; not in `_compat_ibv_port_attr`, which is all that \
-                 ibv_query_port@IBVERBS_1.1 writes into our buffer",
+        reason: "appended by rdma-core releases newer than Debian 12's 44 (56.1 has it); not \
+                 in `_compat_ibv_port_attr`, all that ibv_query_port@IBVERBS_1.1 writes",
     },
-    OmittedField { c_type: "ibv_context", field: "mutex", newer: false, reason: LIBRARY_TAIL },
-    OmittedField { c_type: "ibv_context", field: "abi_compat", newer: false, reason: LIBRARY_TAIL },
-    OmittedField { c_type: "ibv_cq", field: "mutex", newer: false, reason: LIBRARY_TAIL },
-    OmittedField { c_type: "ibv_cq", field: "cond", newer: false, reason: LIBRARY_TAIL },
+    OmittedField {
+        c_type: "ibv_context",
+        field: "mutex",
+        newer: false,
+        reason: LIBRARY_TAIL,
+    },
+    OmittedField {
+        c_type: "ibv_context",
+        field: "abi_compat",
+        newer: false,
+        reason: LIBRARY_TAIL,
+    },
+    OmittedField {
+        c_type: "ibv_cq",
+        field: "mutex",
+        newer: false,
+        reason: LIBRARY_TAIL,
+    },
+    OmittedField {
+        c_type: "ibv_cq",
+        field: "cond",
+        newer: false,
+        reason: LIBRARY_TAIL,
+    },
     OmittedField {
         c_type: "ibv_cq",
         field: "comp_events_completed",
@@ -577,16 +598,36 @@ pub const OMITTED_FIELDS: &[OmittedField] = &[
         newer: false,
         reason: LIBRARY_TAIL,
     },
-    OmittedField { c_type: "ibv_qp", field: "mutex", newer: false, reason: LIBRARY_TAIL },
-    OmittedField { c_type: "ibv_qp", field: "cond", newer: false, reason: LIBRARY_TAIL },
+    OmittedField {
+        c_type: "ibv_qp",
+        field: "mutex",
+        newer: false,
+        reason: LIBRARY_TAIL,
+    },
+    OmittedField {
+        c_type: "ibv_qp",
+        field: "cond",
+        newer: false,
+        reason: LIBRARY_TAIL,
+    },
     OmittedField {
         c_type: "ibv_qp",
         field: "events_completed",
         newer: false,
         reason: LIBRARY_TAIL,
     },
-    OmittedField { c_type: "ibv_srq", field: "mutex", newer: false, reason: LIBRARY_TAIL },
-    OmittedField { c_type: "ibv_srq", field: "cond", newer: false, reason: LIBRARY_TAIL },
+    OmittedField {
+        c_type: "ibv_srq",
+        field: "mutex",
+        newer: false,
+        reason: LIBRARY_TAIL,
+    },
+    OmittedField {
+        c_type: "ibv_srq",
+        field: "cond",
+        newer: false,
+        reason: LIBRARY_TAIL,
+    },
     OmittedField {
         c_type: "ibv_srq",
         field: "events_completed",
