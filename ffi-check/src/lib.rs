@@ -10,7 +10,7 @@
 //! # What is compared
 //!
 //! Both sides are derived, nothing is hand-listed here:
-//! * the **mirror** side is read by `build.rs` from `ibverbs-safe/src/sys/mod.rs` with `syn`
+//! * the **mirror** side is read by `build.rs` from `ibverbs-safe/src/sys/*.rs` with `syn`
 //!   (every `#[repr(C)]` struct/union, every field, every integer constant, every type
 //!   alias), and laid out by rustc (`size_of`, `align_of`, `offset_of!`);
 //! * the **header** side is bindgen's output for `verbs.h`, read back with `syn`: its fields
@@ -29,12 +29,15 @@
 //!
 //! # Another rdma-core version
 //!
-//! `FABRIC_VERBS_INCLUDE=/dir[:/dir...]` puts directories before the system ones, so
-//! `FABRIC_VERBS_INCLUDE=$RDMA_CORE/build/include cargo test -p fabric-ffi-check` checks the
-//! mirrors against an rdma-core source tree built with its `build.sh` (which places
-//! `infiniband/verbs.h` under `build/include`), or against an unpacked newer `libibverbs-dev`
-//! package (`usr/include`). The test suite also runs the check on a copy of the installed
-//! header with the newest known change applied (`ibv_port_attr` growing `active_speed_ex`).
+//! `FABRIC_VERBS_INCLUDE=/dir[:/dir...]` puts directories before the system ones (for this
+//! check and for the C layout test of `ibverbs-safe`). CI uses it with
+//! `ci/newer-verbs-headers.sh`, which downloads a newer Debian's `libibverbs-dev` (trixie:
+//! rdma-core 56.1) with apt on a private state directory and unpacks it without installing:
+//! `FABRIC_VERBS_INCLUDE=$(ci/newer-verbs-headers.sh) cargo test -p fabric-ffi-check`. An
+//! rdma-core source tree works the same way once configured with its `build.sh` (cmake puts
+//! `infiniband/verbs.h` under `build/include`). Where neither is reachable, the test suite
+//! still runs the check on a copy of the installed header with the newest known change
+//! applied (`ibv_port_attr` growing `active_speed_ex`).
 
 pub mod header;
 
