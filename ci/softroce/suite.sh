@@ -8,7 +8,8 @@
 #   ci/softroce/suite.sh verbs_pingpong  # only test executables whose name contains a filter
 #
 # Knobs: SOFTROCE_SUITE_SKIP (package directories whose tests do not run in the guest;
-# default "nvlink-p2p ffi-check": GPU tests, host-only header checks), SOFTROCE_SUITE_TIMEOUT (guest seconds, default 1500),
+# default "nvlink-p2p ffi-check": GPU tests, host-only header checks),
+# SOFTROCE_SUITE_TIMEOUT (guest seconds, default 1500),
 # SOFTROCE_STEP_TIMEOUT (per test executable, default 600), SOFTROCE_TEST_THREADS (default 1).
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)
