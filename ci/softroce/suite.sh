@@ -8,7 +8,8 @@
 #   ci/softroce/suite.sh verbs_pingpong  # only test executables whose name contains a filter
 #
 # Knobs: SOFTROCE_SUITE_SKIP (package directories whose tests do not run in the guest;
-# default "nvlink-p2p": GPU tests), SOFTROCE_SUITE_TIMEOUT (guest seconds, default 1500),
+# default "nvlink-p2p ffi-check": GPU tests, host-only header checks),
+# SOFTROCE_SUITE_TIMEOUT (guest seconds, default 1500),
 # SOFTROCE_STEP_TIMEOUT (per test executable, default 600), SOFTROCE_TEST_THREADS (default 1).
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)
@@ -17,8 +18,9 @@ log() { echo "[softroce-suite] $*" >&2; }
 t0=$(date +%s)
 
 # The same build as `cargo test --workspace` (what .ci/run ran just before: nothing is
-# rebuilt). nvlink-p2p's tests need a GPU, never present in the guest; they ran on the host.
-read -r -a SKIP <<< "${SOFTROCE_SUITE_SKIP:-nvlink-p2p}"
+# rebuilt). nvlink-p2p's tests need a GPU, never present in the guest; they ran on the host,
+# as did ffi-check's (a header check that needs no device).
+read -r -a SKIP <<< "${SOFTROCE_SUITE_SKIP:-nvlink-p2p ffi-check}"
 
 # fetch the kernel and build the initramfs while cargo builds
 prep_log=$(mktemp)

@@ -56,10 +56,14 @@
 //!
 //! # DESIGN
 //!
-//! **Layers.** `sys` (private `#[repr(C)]` mirrors of `verbs.h`, checked against the real
-//! header by a layout test) → `result` (one thin `unsafe fn` per verb, and the op-table
-//! data-path calls) → the safe RAII types, one module per object. `unsafe` is denied at the
-//! crate root and allowed only in the modules that wrap FFI objects.
+//! **Layers.** `sys` (private `#[repr(C)]` mirrors of `verbs.h`; 64-bit targets only) →
+//! `result` (one thin `unsafe fn` per verb, and the op-table data-path calls) → the safe
+//! RAII types, one module per object. `unsafe` is denied at the crate root and allowed only
+//! in the modules that wrap FFI objects. The mirrors are proven against the installed header
+//! field by field by the dev-only `ffi-check` crate (bindgen: size, alignment, every field's
+//! offset, size and type, the op-table signatures, every constant). The small C layout
+//! program among this crate's unit tests stays as a second witness: it needs only `cc` and
+//! the headers, not libclang, so it still runs where the bindgen check must skip.
 //!
 //! **Parents outlive children.** Every object holds an `Arc` of its parent: context ← PD ←
 //! MR / QP / SRQ / AH; context ← CQ ← QP; channel ← CQ. Destruction order is therefore
@@ -263,6 +267,13 @@ pub mod fuzzing {
     pub fn sge_range(start: usize, end: usize, len: usize) -> crate::Result<(usize, usize)> {
         crate::mr::sge_range(start..end, len)
     }
+}
+
+/// The `#[repr(C)]` mirrors of `verbs.h`, for the bindgen layout proof in `ffi-check/`.
+/// Not a stable API.
+#[doc(hidden)]
+pub mod ffi_mirror {
+    pub use crate::sys::*;
 }
 
 /// The raw `verbs.h` types for the expert layer ([`QueuePair::post_send_raw`],

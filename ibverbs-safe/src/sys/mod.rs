@@ -2,8 +2,27 @@
 //!
 //! Only what is needed is declared; structs that the library allocates and we only read are
 //! declared as *prefixes* (their leading fields), which is sound because we only ever hold
-//! pointers to them. Every declared struct, field offset and constant is checked against
-//! the real header by `layout_tests` (a C program compiled with the system `cc`).
+//! pointers to them.
+//!
+//! **How they are proven.** The `fabric-ffi-check` crate (`ffi-check/`, dev-only, never a
+//! dependency of a build) runs `bindgen` over the installed `verbs.h` and compares, for every
+//! `#[repr(C)]` item in this file (read with `syn`, so nothing is listed by hand): size,
+//! alignment, the offset, size and type of every field, every integer constant, the
+//! op-table function signatures, and the enum values of [`enum_values`]. Conventions it reads:
+//! * a field is matched by name, through anonymous unions/structs of the header; a doc line
+//!   `` C field: `a.b` `` names a nested member, `` `first..=last` `` a run of fields, and
+//!   `` `{x, y}` `` the anonymous member holding `x` and `y`; a field named `_...` is opaque
+//!   storage (only its offset and size are compared);
+//! * a mirror whose name the header lacks is matched through the field that holds it; a
+//!   doc line `` C alias: `name` `` lets it stand for that header type in prototypes;
+//! * a header field the mirror leaves out must be listed in [`OMITTED_FIELDS`], with why;
+//! * a constant the header lacks needs a doc line `` C: `sizeof(struct x)` ``.
+//!
+//! The C program in `layout_tests` (compiled with the system `cc`) stays as a second,
+//! independent witness that needs neither libclang nor bindgen: it samples the same mirrors
+//! through `offsetof`/`sizeof` of the system C compiler (not clang's), and runs wherever only
+//! `cc` and the headers exist; the bindgen check is the complete one (every field, type and
+//! signature). Both search `FABRIC_VERBS_INCLUDE` first, to check another rdma-core.
 #![allow(
     non_camel_case_types,
     dead_code,
@@ -12,6 +31,16 @@
 )]
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
+
+// The unions are written for 64-bit pointers: `ibv_send_wr`'s `_bind_mw_tso` storage is
+// `[u64; 6]` because the `bind_mw`/`tso` union holds pointers and is 48 bytes only on LP64,
+// and `ibv_send_wr_wr` relies on `wr.ud.ah` being 8 bytes. The layouts are proven on LP64
+// only; a 32-bit build would silently disagree with `verbs.h`.
+#[cfg(not(target_pointer_width = "64"))]
+compile_error!(
+    "ibverbs-safe's verbs.h mirrors (src/sys/mod.rs) assume 64-bit pointers; \
+     this target is not supported"
+);
 
 /// `union ibv_gid` (16 raw bytes, 8-byte aligned because of the `global` view).
 #[repr(C, align(8))]
@@ -75,6 +104,13 @@ pub struct ibv_device_attr {
     pub phys_port_cnt: u8,
 }
 
+/// `struct _compat_ibv_port_attr`: the prefix of `struct ibv_port_attr` that the versioned
+/// `ibv_query_port@IBVERBS_1.1` we call writes (it copies 48 bytes, through `flags`: seen in
+/// the machine code of rdma-core 44 and 56.1, and fixed by that symbol's ABI). Newer fields (`port_cap_flags2`, `active_speed_ex`) are only
+/// filled by the header's inline `ibv_query_port` through `query_port_ex`, so they are left
+/// out (see [`OMITTED_FIELDS`]); the mirror is the same whichever header is installed.
+///
+/// C alias: `_compat_ibv_port_attr`
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ibv_port_attr {
@@ -99,7 +135,6 @@ pub struct ibv_port_attr {
     pub phys_state: u8,
     pub link_layer: u8,
     pub flags: u8,
-    pub port_cap_flags2: u16,
 }
 
 /// `struct ibv_sge`: one scatter/gather element.
@@ -162,8 +197,12 @@ pub struct ibv_send_wr {
     pub imm_data: u32,
     pub wr: ibv_send_wr_wr,
     /// `qp_type.xrc.remote_srqn`.
+    ///
+    /// C field: `qp_type.xrc.remote_srqn`
     pub qp_type_xrc_remote_srqn: u32,
     /// The `bind_mw` / `tso` union (48 bytes, 8-aligned).
+    ///
+    /// C field: `{bind_mw, tso}`
     pub _bind_mw_tso: [u64; 6],
 }
 
@@ -321,14 +360,18 @@ type AnyFn = Option<unsafe extern "C" fn()>;
 /// `struct ibv_context_ops`: the provider's data-path op table inside every context.
 #[repr(C)]
 pub struct ibv_context_ops {
+    /// C field: `_compat_query_device..=_compat_create_cq`
     pub _compat_0_10: [AnyFn; 11],
     pub poll_cq: Option<PollCqFn>,
     pub req_notify_cq: Option<ReqNotifyCqFn>,
+    /// C field: `_compat_cq_event..=_compat_destroy_srq`
     pub _compat_13_19: [AnyFn; 7],
     pub post_srq_recv: Option<PostSrqRecvFn>,
+    /// C field: `_compat_create_qp..=_compat_destroy_qp`
     pub _compat_21_24: [AnyFn; 4],
     pub post_send: Option<PostSendFn>,
     pub post_recv: Option<PostRecvFn>,
+    /// C field: `_compat_create_ah..=_compat_async_event`
     pub _compat_27_31: [AnyFn; 5],
 }
 
@@ -475,7 +518,144 @@ pub const IBV_LINK_LAYER_INFINIBAND: u8 = 1;
 pub const IBV_LINK_LAYER_ETHERNET: u8 = 2;
 
 /// Size of the Global Routing Header that UD receives get in front of the payload.
+///
+/// C: `sizeof(struct ibv_grh)`
 pub const GRH_LEN: usize = 40;
+
+/// A field of a mirrored `verbs.h` struct that the mirror deliberately leaves out.
+#[derive(Clone, Copy, Debug)]
+pub struct OmittedField {
+    /// The C struct (`ibv_cq`), or the mirror's name for a nested one.
+    pub c_type: &'static str,
+    /// The header's field name.
+    pub field: &'static str,
+    /// Added by a newer rdma-core than some we support: the installed header may lack it.
+    pub newer: bool,
+    /// Why the mirror does without it.
+    pub reason: &'static str,
+}
+
+const LIBRARY_TAIL: &str = "library-private tail of an object the library allocates; we only \
+     hold pointers to it and never read past the mirrored prefix";
+
+/// Every header field our mirrors leave out, with the reason: the one list the bindgen
+/// check (`ffi-check/`) accepts omissions from. A header field that is neither mirrored nor
+/// listed here fails the check, as does an entry the header does not have (unless `newer`).
+pub const OMITTED_FIELDS: &[OmittedField] = &[
+    OmittedField {
+        c_type: "ibv_gid",
+        field: "global",
+        newer: false,
+        reason: "the same 16 bytes as `raw`, viewed as two big-endian u64; `align(8)` keeps its \
+                 alignment",
+    },
+    OmittedField {
+        c_type: "ibv_port_attr",
+        field: "port_cap_flags2",
+        newer: false,
+        reason: "not in `_compat_ibv_port_attr`: ibv_query_port@IBVERBS_1.1 never writes it",
+    },
+    OmittedField {
+        c_type: "ibv_port_attr",
+        field: "active_speed_ex",
+        newer: true,
+        reason: "appended by rdma-core releases newer than Debian 12's 44 (56.1 has it); not \
+                 in `_compat_ibv_port_attr`, all that ibv_query_port@IBVERBS_1.1 writes",
+    },
+    OmittedField {
+        c_type: "ibv_context",
+        field: "mutex",
+        newer: false,
+        reason: LIBRARY_TAIL,
+    },
+    OmittedField {
+        c_type: "ibv_context",
+        field: "abi_compat",
+        newer: false,
+        reason: LIBRARY_TAIL,
+    },
+    OmittedField {
+        c_type: "ibv_cq",
+        field: "mutex",
+        newer: false,
+        reason: LIBRARY_TAIL,
+    },
+    OmittedField {
+        c_type: "ibv_cq",
+        field: "cond",
+        newer: false,
+        reason: LIBRARY_TAIL,
+    },
+    OmittedField {
+        c_type: "ibv_cq",
+        field: "comp_events_completed",
+        newer: false,
+        reason: LIBRARY_TAIL,
+    },
+    OmittedField {
+        c_type: "ibv_cq",
+        field: "async_events_completed",
+        newer: false,
+        reason: LIBRARY_TAIL,
+    },
+    OmittedField {
+        c_type: "ibv_qp",
+        field: "mutex",
+        newer: false,
+        reason: LIBRARY_TAIL,
+    },
+    OmittedField {
+        c_type: "ibv_qp",
+        field: "cond",
+        newer: false,
+        reason: LIBRARY_TAIL,
+    },
+    OmittedField {
+        c_type: "ibv_qp",
+        field: "events_completed",
+        newer: false,
+        reason: LIBRARY_TAIL,
+    },
+    OmittedField {
+        c_type: "ibv_srq",
+        field: "mutex",
+        newer: false,
+        reason: LIBRARY_TAIL,
+    },
+    OmittedField {
+        c_type: "ibv_srq",
+        field: "cond",
+        newer: false,
+        reason: LIBRARY_TAIL,
+    },
+    OmittedField {
+        c_type: "ibv_srq",
+        field: "events_completed",
+        newer: false,
+        reason: LIBRARY_TAIL,
+    },
+];
+
+/// `verbs.h` enum values the crate keeps in its public Rust enums instead of constants here
+/// (`(C enumerator, our value)`), for the bindgen check.
+pub fn enum_values() -> Vec<(&'static str, i128)> {
+    use crate::gid::GidType;
+    use crate::port::Mtu;
+    let mut v: Vec<(&'static str, i128)> = vec![
+        ("IBV_GID_TYPE_IB", GidType::Ib as i128),
+        ("IBV_GID_TYPE_ROCE_V1", GidType::RoceV1 as i128),
+        ("IBV_GID_TYPE_ROCE_V2", GidType::RoceV2 as i128),
+        ("IBV_MTU_256", Mtu::Mtu256 as i128),
+        ("IBV_MTU_512", Mtu::Mtu512 as i128),
+        ("IBV_MTU_1024", Mtu::Mtu1024 as i128),
+        ("IBV_MTU_2048", Mtu::Mtu2048 as i128),
+        ("IBV_MTU_4096", Mtu::Mtu4096 as i128),
+    ];
+    for (i, name) in crate::error::WC_STATUS_C_NAMES.iter().enumerate() {
+        v.push((name, i as i128));
+    }
+    v
+}
 
 #[cfg(test)]
 mod layout_tests;
