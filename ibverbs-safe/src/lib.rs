@@ -200,6 +200,7 @@ macro_rules! skip {
 
 mod ah;
 mod buffer;
+pub mod cm;
 mod context;
 mod cq;
 mod device;

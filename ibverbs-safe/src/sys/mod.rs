@@ -479,3 +479,4 @@ pub const GRH_LEN: usize = 40;
 
 #[cfg(test)]
 mod layout_tests;
+pub mod cm;
