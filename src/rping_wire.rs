@@ -74,19 +74,29 @@ impl RdmaInfo {
         b
     }
 
-    /// Decodes a received message (exactly 16 bytes).
+    /// Decodes a received message checking only its size (what a client does with the
+    /// server's answers, whose content rping does not use).
+    ///
+    /// # Errors
+    /// [`InfoError::BogusSize`].
+    pub fn decode_unchecked(b: &[u8]) -> Result<RdmaInfo, InfoError> {
+        if b.len() != INFO_LEN {
+            return Err(InfoError::BogusSize(b.len()));
+        }
+        Ok(RdmaInfo {
+            addr: u64::from_be_bytes(b[..8].try_into().expect("8 bytes")),
+            rkey: u32::from_be_bytes(b[8..12].try_into().expect("4 bytes")),
+            size: u32::from_be_bytes(b[12..].try_into().expect("4 bytes")),
+        })
+    }
+
+    /// Decodes a received advertisement (exactly 16 bytes, a non-empty buffer that does not
+    /// wrap around the address space).
     ///
     /// # Errors
     /// [`InfoError::BogusSize`], [`InfoError::Empty`], [`InfoError::Wraps`].
     pub fn decode(b: &[u8]) -> Result<RdmaInfo, InfoError> {
-        if b.len() != INFO_LEN {
-            return Err(InfoError::BogusSize(b.len()));
-        }
-        let info = RdmaInfo {
-            addr: u64::from_be_bytes(b[..8].try_into().expect("8 bytes")),
-            rkey: u32::from_be_bytes(b[8..12].try_into().expect("4 bytes")),
-            size: u32::from_be_bytes(b[12..].try_into().expect("4 bytes")),
-        };
+        let info = Self::decode_unchecked(b)?;
         if info.size == 0 {
             return Err(InfoError::Empty);
         }

@@ -126,6 +126,13 @@ else
   echo "=== interop: $OURS not built, pairings skipped"
 fi
 
+# rping over rdma_cm (needs the pair's IPv4 address on veth0 = rxe0): rping-interop.sh
+if [ -x "$EXAMPLES/rping" ]; then
+  t0=$(date +%s.%N)
+  "$(dirname "$0")/rping-interop.sh" "$EXAMPLES" > /tmp/rping-interop.log 2>&1
+  cat /tmp/rping-interop.log
+  while read -r st rest; do record "$st" "$rest" "$(since "$t0")"; done < <(grep -E '^(PASS|FAIL) rping: ' /tmp/rping-interop.log)
+fi
 echo
 echo "=== real-verbs suite summary ($(since "$T_START") s in the guest)"
 printf '%s\n' "${SUMMARY[@]}"

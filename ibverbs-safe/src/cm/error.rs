@@ -25,7 +25,7 @@ pub enum CmError {
     },
     /// The address has no RDMA device: no device's netdev carries it (or no route to it
     /// leaves through one).
-    #[error("{step} of {addr} failed: no RDMA device for this address ({source}); {hint}", hint = NO_DEVICE_HINT)]
+    #[error("{step} of {addr} failed: no RDMA device for this address; {hint}", hint = NO_DEVICE_HINT)]
     NoDeviceForAddress {
         /// `bind`, `address resolution` or `route resolution`.
         step: &'static str,
@@ -46,6 +46,9 @@ pub enum CmError {
         #[source]
         source: io::Error,
     },
+    /// The kernel's rdma_cm interface is missing (`/dev/infiniband/rdma_cm`).
+    #[error("rdma_create_event_channel failed: /dev/infiniband/rdma_cm is missing — load the kernel module (`modprobe rdma_ucm`) on a host with an RDMA device")]
+    NoCmDevice(#[source] io::Error),
     /// A step did not finish in time.
     #[error("{step} did not finish within {after:?}")]
     Timeout {

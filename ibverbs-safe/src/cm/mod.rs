@@ -122,7 +122,15 @@ impl Channel {
         // SAFETY: no preconditions.
         let ch = unsafe { (lib.create_event_channel)() };
         if ch.is_null() {
-            return Err(CmError::verb("rdma_create_event_channel").into());
+            let e = io::Error::last_os_error();
+            return Err(match e.raw_os_error() {
+                Some(libc::ENOENT | libc::ENODEV | libc::ENXIO) => CmError::NoCmDevice(e),
+                _ => CmError::Verb {
+                    verb: "rdma_create_event_channel",
+                    source: e,
+                },
+            }
+            .into());
         }
         let c = Arc::new(Channel { lib, ch });
         // Non-blocking: `rdma_get_cm_event` then never blocks after a spurious wake-up.
