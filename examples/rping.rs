@@ -141,7 +141,9 @@ impl Peer {
                     if self.conn.check().is_err() {
                         return Ok(Got::Disconnected);
                     }
-                    return Err(format!("cq completion failed status {} ({what})", c.status()).into());
+                    return Err(
+                        format!("cq completion failed status {} ({what})", c.status()).into(),
+                    );
                 }
                 drop(c.take_bufs());
                 if c.queue() != Some(queue) {
@@ -154,7 +156,9 @@ impl Peer {
             if spins % 256 == 0 {
                 match self.conn.check() {
                     Ok(()) => {}
-                    Err(ibverbs_safe::Error::Cm(CmError::Disconnected)) => return Ok(Got::Disconnected),
+                    Err(ibverbs_safe::Error::Cm(CmError::Disconnected)) => {
+                        return Ok(Got::Disconnected)
+                    }
                     Err(e) => return Err(e.into()),
                 }
                 if Instant::now() > end {
@@ -166,7 +170,9 @@ impl Peer {
     }
 
     fn post_recv(&mut self) -> Res<()> {
-        self.qp.post_recv(self.rx.slice(..)?, 1).map_err(|e| e.error)?;
+        self.qp
+            .post_recv(self.rx.slice(..)?, 1)
+            .map_err(|e| e.error)?;
         Ok(())
     }
 
@@ -195,7 +201,9 @@ impl Peer {
 
     fn send_info(&mut self, info: RdmaInfo) -> Res<bool> {
         self.tx.write_from(0, &info.encode())?;
-        self.qp.send(self.tx.slice(..INFO_LEN)?, 2).map_err(|e| e.error)?;
+        self.qp
+            .send(self.tx.slice(..INFO_LEN)?, 2)
+            .map_err(|e| e.error)?;
         Ok(matches!(self.wait(QueueKind::Send, "send")?, Got::Done(_)))
     }
 }
@@ -226,7 +234,8 @@ fn server(a: &Args) -> Res<()> {
         .build_rc()?;
     let mut rx = pd.alloc_region(RECV_LEN)?;
     prepared.post_recv(rx.slice(..)?, 1).map_err(|e| e.error)?;
-    let mut buf = pd.register_remote(vec![0u8; a.size], RemoteAccess::READ | RemoteAccess::WRITE)?;
+    let mut buf =
+        pd.register_remote(vec![0u8; a.size], RemoteAccess::READ | RemoteAccess::WRITE)?;
     let (conn, qp) = req.accept(prepared, &ConnParam::default(), CONNECT_TIMEOUT)?;
     let mut p = Peer {
         qp,

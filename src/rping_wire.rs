@@ -194,15 +194,36 @@ mod tests {
     fn malformed_infos_are_typed_errors() {
         assert_eq!(RdmaInfo::decode(&[0; 8]), Err(InfoError::BogusSize(8)));
         assert_eq!(RdmaInfo::decode(&[0; 17]), Err(InfoError::BogusSize(17)));
-        let mut b = RdmaInfo { addr: 1, rkey: 1, size: 0 }.encode();
+        let mut b = RdmaInfo {
+            addr: 1,
+            rkey: 1,
+            size: 0,
+        }
+        .encode();
         assert_eq!(RdmaInfo::decode(&b), Err(InfoError::Empty));
-        b = RdmaInfo { addr: u64::MAX - 4, rkey: 1, size: 64 }.encode();
+        b = RdmaInfo {
+            addr: u64::MAX - 4,
+            rkey: 1,
+            size: 64,
+        }
+        .encode();
         assert!(matches!(RdmaInfo::decode(&b), Err(InfoError::Wraps { .. })));
-        let i = RdmaInfo { addr: 0x1000, rkey: 7, size: 1 << 20 };
+        let i = RdmaInfo {
+            addr: 0x1000,
+            rkey: 7,
+            size: 1 << 20,
+        };
         assert!(matches!(i.read_source(64), Err(InfoError::TooLarge { .. })));
         assert_eq!(i.read_source(1 << 20).unwrap().len, 1 << 20);
-        let small = RdmaInfo { addr: 0x1000, rkey: 7, size: 8 };
-        assert!(matches!(small.write_target(9), Err(InfoError::TooSmall { .. })));
+        let small = RdmaInfo {
+            addr: 0x1000,
+            rkey: 7,
+            size: 8,
+        };
+        assert!(matches!(
+            small.write_target(9),
+            Err(InfoError::TooSmall { .. })
+        ));
         assert_eq!(small.write_target(8).unwrap().len, 8);
     }
 

@@ -62,25 +62,41 @@ fn dlerror_string() -> String {
 
 /// Resolves exactly `name@version` in `handle` (librdmacm has versioned every symbol since
 /// its first release, so there is no unversioned fallback).
-fn vsym(handle: *mut c_void, name: &str, version: &str) -> std::result::Result<*mut c_void, String> {
+fn vsym(
+    handle: *mut c_void,
+    name: &str,
+    version: &str,
+) -> std::result::Result<*mut c_void, String> {
     let n = CString::new(name).map_err(|e| e.to_string())?;
     let v = CString::new(version).map_err(|e| e.to_string())?;
     // SAFETY: `handle` came from a successful dlopen; both strings are NUL-terminated.
     let p = unsafe { libc::dlvsym(handle, n.as_ptr(), v.as_ptr()) };
     if p.is_null() {
-        Err(format!("symbol {name}@{version} not found: {}", dlerror_string()))
+        Err(format!(
+            "symbol {name}@{version} not found: {}",
+            dlerror_string()
+        ))
     } else {
         Ok(p)
     }
+}
+
+/// Reinterprets a symbol address as a function pointer.
+///
+/// # Safety
+/// `F` must be a function-pointer type matching the C prototype of the symbol at `p`.
+unsafe fn fn_ptr<F: Copy>(p: *mut c_void) -> F {
+    assert_eq!(std::mem::size_of::<F>(), std::mem::size_of::<*mut c_void>());
+    // SAFETY: same size (checked); the caller guarantees the type matches the symbol.
+    unsafe { std::mem::transmute_copy::<*mut c_void, F>(&p) }
 }
 
 macro_rules! resolve {
     ($h:expr, $name:literal, $ver:literal) => {{
         let p = vsym($h, $name, $ver)?;
         // SAFETY: `p` is the non-null address of the librdmacm function `$name`, whose C
-        // prototype (rdma_cma.h) matches the field's fn-pointer type; a data pointer and a
-        // function pointer have the same size on every platform librdmacm supports.
-        unsafe { std::mem::transmute::<*mut c_void, _>(p) }
+        // prototype (rdma_cma.h) matches the field's fn-pointer type.
+        unsafe { fn_ptr(p) }
     }};
 }
 

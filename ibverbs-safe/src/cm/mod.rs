@@ -321,7 +321,10 @@ impl Id {
     }
 
     fn port_num(&self) -> Result<u8> {
-        Ok(self.qp_attr(QPS_INIT, "rdma_init_qp_attr(INIT)")?.0.port_num)
+        Ok(self
+            .qp_attr(QPS_INIT, "rdma_init_qp_attr(INIT)")?
+            .0
+            .port_num)
     }
 
     fn open_context(&self) -> Result<Context> {
@@ -547,10 +550,9 @@ impl CmEvent {
             RDMA_CM_EVENT_ADDR_CHANGE => CmEvent::AddrChange,
             RDMA_CM_EVENT_TIMEWAIT_EXIT => CmEvent::TimewaitExit,
             k => {
-                return Err(CmError::MalformedEvent(format!(
-                    "unknown event type {k} (status {s})"
-                ))
-                .into())
+                return Err(
+                    CmError::MalformedEvent(format!("unknown event type {k} (status {s})")).into(),
+                )
             }
         })
     }
@@ -678,8 +680,9 @@ impl CmId {
         let rc = unsafe {
             (self.id.lib.resolve_addr)(
                 self.id.id,
-                s.as_mut()
-                    .map_or(std::ptr::null_mut(), |s| (s as *mut libc::sockaddr_storage).cast()),
+                s.as_mut().map_or(std::ptr::null_mut(), |s| {
+                    (s as *mut libc::sockaddr_storage).cast()
+                }),
                 (&mut d as *mut libc::sockaddr_storage).cast(),
                 ms,
             )
@@ -829,8 +832,7 @@ impl Listener {
         let id = Id::new()?;
         let (mut a, _) = sockaddr(&addr);
         // SAFETY: the id is live; `a` is a valid sockaddr.
-        if unsafe { (id.lib.bind_addr)(id.id, (&mut a as *mut libc::sockaddr_storage).cast()) }
-            != 0
+        if unsafe { (id.lib.bind_addr)(id.id, (&mut a as *mut libc::sockaddr_storage).cast()) } != 0
         {
             let e = io::Error::last_os_error();
             return Err(if error::is_no_device(&e) {
@@ -921,7 +923,9 @@ impl ConnectRequest {
     }
 
     fn id(&self) -> &Id {
-        self.id.as_ref().expect("a ConnectRequest holds its id until consumed")
+        self.id
+            .as_ref()
+            .expect("a ConnectRequest holds its id until consumed")
     }
 
     /// The private data the peer sent with its request (possibly zero-padded).
@@ -998,7 +1002,10 @@ impl ConnectRequest {
             Some(param.responder_resources),
             Some(param.initiator_depth),
         )?;
-        let id = self.id.take().expect("a ConnectRequest holds its id until consumed");
+        let id = self
+            .id
+            .take()
+            .expect("a ConnectRequest holds its id until consumed");
         // SAFETY: the id is live; `p` and its private data outlive the call.
         if unsafe { (id.lib.accept)(id.id, &mut p) } != 0 {
             let e = CmError::verb("rdma_accept");
@@ -1034,7 +1041,10 @@ impl ConnectRequest {
             }
             .into());
         }
-        let id = self.id.take().expect("a ConnectRequest holds its id until consumed");
+        let id = self
+            .id
+            .take()
+            .expect("a ConnectRequest holds its id until consumed");
         // SAFETY: the id is live; the data outlives the call.
         let rc = unsafe {
             (id.lib.reject)(
@@ -1198,15 +1208,27 @@ mod tests {
             .raw(1, "a connect request", MAX_CONNECT_PRIVATE_DATA)
             .unwrap_err();
         assert!(
-            matches!(e, Error::Cm(CmError::PrivateDataTooLong { len: 57, max: 56, .. })),
+            matches!(
+                e,
+                Error::Cm(CmError::PrivateDataTooLong {
+                    len: 57,
+                    max: 56,
+                    ..
+                })
+            ),
             "{e}"
         );
         let p = ConnParam {
             private_data: b"hi".to_vec(),
             ..Default::default()
         };
-        let r = p.raw(7, "a connect request", MAX_CONNECT_PRIVATE_DATA).unwrap();
-        assert_eq!((r.private_data_len, r.qp_num, r.responder_resources), (2, 7, 1));
+        let r = p
+            .raw(7, "a connect request", MAX_CONNECT_PRIVATE_DATA)
+            .unwrap();
+        assert_eq!(
+            (r.private_data_len, r.qp_num, r.responder_resources),
+            (2, 7, 1)
+        );
     }
 
     #[test]
@@ -1214,7 +1236,8 @@ mod tests {
         let (ss, len) = sockaddr(&"10.77.0.1:7174".parse().unwrap());
         assert_eq!(len as usize, std::mem::size_of::<libc::sockaddr_in>());
         // SAFETY: `ss` holds a sockaddr_in (written above).
-        let sin: libc::sockaddr_in = unsafe { std::ptr::read((&ss as *const _ as *const libc::sockaddr_in)) };
+        let sin: libc::sockaddr_in =
+            unsafe { std::ptr::read(&ss as *const _ as *const libc::sockaddr_in) };
         assert_eq!(sin.sin_family as i32, libc::AF_INET);
         assert_eq!(u16::from_be(sin.sin_port), 7174);
         assert_eq!(sin.sin_addr.s_addr.to_ne_bytes(), [10, 77, 0, 1]);

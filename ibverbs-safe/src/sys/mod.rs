@@ -477,6 +477,6 @@ pub const IBV_LINK_LAYER_ETHERNET: u8 = 2;
 /// Size of the Global Routing Header that UD receives get in front of the payload.
 pub const GRH_LEN: usize = 40;
 
+pub mod cm;
 #[cfg(test)]
 mod layout_tests;
-pub mod cm;
