@@ -1,7 +1,8 @@
 //! `rping` on `ibverbs-safe`'s rdma_cm: wire compatible with rdma-core's `rping`
 //! (rdmacm-utils) — the same 16-byte `rdma_info` advertisements, the same READ / WRITE
 //! sequence per iteration, the same options (`-s/-c/-a/-p/-C/-S/-v/-V`) and output lines —
-//! so our server works with their client and the other way round.
+//! so our server works with their client and the other way round. Also `-I` (client source
+//! address), `-P` (persistent server) and `-d` (debug lines on stderr); not `-q`.
 //!
 //! ```sh
 //! cargo run --example rping -- -s -a 10.0.0.1 -v          # server
@@ -68,6 +69,12 @@ struct Args {
     /// validate ping data
     #[arg(short = 'V')]
     validate: bool,
+    /// source address to bind to (client)
+    #[arg(short = 'I')]
+    source: Option<IpAddr>,
+    /// persistent server mode: serve one connection after another
+    #[arg(short = 'P')]
+    persistent: bool,
     /// debug printfs
     #[arg(short = 'd')]
     debug: bool,
@@ -220,7 +227,20 @@ fn info_of(mr: &MemoryRegion<Vec<u8>, ibverbs_safe::Remote>) -> RdmaInfo {
 fn server(a: &Args) -> Res<()> {
     let ip = a.addr.unwrap_or(IpAddr::from([0, 0, 0, 0]));
     let mut listener = Listener::bind(SocketAddr::new(ip, a.port), 3)?;
-    let req = listener.get_request(Duration::from_secs(24 * 3600))?;
+    loop {
+        let req = listener.get_request(Duration::from_secs(24 * 3600))?;
+        let r = serve(a, req);
+        if !a.persistent {
+            return r;
+        }
+        if let Err(e) = r {
+            eprintln!("rping: {e}");
+        }
+    }
+}
+
+/// Serves one connection.
+fn serve(a: &Args, req: ibverbs_safe::cm::ConnectRequest) -> Res<()> {
     if a.debug {
         eprintln!("child cma on {}", req.device_name()?);
     }
@@ -310,7 +330,9 @@ fn client(a: &Args) -> Res<()> {
         return Err("a server address is required (-a)".into());
     };
     let mut id = CmId::new()?;
-    id.resolve(SocketAddr::new(ip, a.port), RESOLVE_TIMEOUT)?;
+    let src = a.source.map(|s| SocketAddr::new(s, 0));
+    id.resolve_addr(src, SocketAddr::new(ip, a.port), RESOLVE_TIMEOUT)?;
+    id.resolve_route(RESOLVE_TIMEOUT)?;
     if a.debug {
         eprintln!("cma on {}", id.device_name()?);
     }
