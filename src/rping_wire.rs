@@ -228,6 +228,33 @@ mod tests {
     }
 
     #[test]
+    fn any_bytes_decode_to_a_value_or_a_typed_error() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for len in 0..48 {
+            for _ in 0..200 {
+                let b: Vec<u8> = (0..len)
+                    .map(|_| {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        x as u8
+                    })
+                    .collect();
+                match RdmaInfo::decode(&b) {
+                    Ok(i) => {
+                        assert_eq!(len, INFO_LEN);
+                        assert!(i.size > 0 && i.addr.checked_add(i.size as u64).is_some());
+                        let _ = i.read_source(DEFAULT_SIZE);
+                        let _ = i.write_target(DEFAULT_SIZE);
+                    }
+                    Err(InfoError::BogusSize(n)) => assert!(n == len && len != INFO_LEN),
+                    Err(_) => assert_eq!(len, INFO_LEN),
+                }
+            }
+        }
+    }
+
+    #[test]
     fn ping_data_matches_rpings_pattern() {
         // what rdma-core's rping prints for -S 40 (seen in the Soft-RoCE guest)
         let mut b = [0u8; 40];
