@@ -528,7 +528,23 @@ pub enum CmEvent {
 }
 
 impl CmEvent {
+    /// Refuses an event that cannot be interpreted, before anything is done with it.
+    fn check_raw(raw: &RawEvent) -> Result<()> {
+        if raw.kind > RDMA_CM_EVENT_TIMEWAIT_EXIT {
+            return Err(CmError::MalformedEvent(format!(
+                "unknown event type {} (status {})",
+                raw.kind, raw.status
+            ))
+            .into());
+        }
+        if raw.kind == RDMA_CM_EVENT_CONNECT_REQUEST && raw.new_id.is_null() {
+            return Err(CmError::MalformedEvent("connect request without a new id".into()).into());
+        }
+        Ok(())
+    }
+
     fn from_raw(lib: &'static CmLib, ch: &Arc<Channel>, raw: RawEvent) -> Result<CmEvent> {
+        Self::check_raw(&raw)?;
         let s = raw.status;
         Ok(match raw.kind {
             RDMA_CM_EVENT_ADDR_RESOLVED => CmEvent::AddrResolved,
@@ -1190,6 +1206,46 @@ impl Drop for Connection {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn raw(kind: u32) -> RawEvent {
+        RawEvent {
+            kind,
+            status: -110,
+            new_id: std::ptr::null_mut(),
+            private_data: vec![],
+            responder_resources: 0,
+            initiator_depth: 0,
+        }
+    }
+
+    #[test]
+    fn malformed_and_unexpected_events_are_errors() {
+        let e = CmEvent::check_raw(&raw(16)).unwrap_err();
+        assert!(matches!(e, Error::Cm(CmError::MalformedEvent(_))), "{e}");
+        let e = CmEvent::check_raw(&raw(RDMA_CM_EVENT_CONNECT_REQUEST)).unwrap_err();
+        assert!(e.to_string().contains("without a new id"), "{e}");
+        assert!(CmEvent::check_raw(&raw(RDMA_CM_EVENT_DISCONNECTED)).is_ok());
+        // what ends a connection maps to its own error; anything else is "unexpected"
+        let e = CmEvent::Disconnected.into_error("x");
+        assert!(matches!(e, Error::Cm(CmError::Disconnected)), "{e}");
+        let e = CmEvent::Rejected(8, b"no".to_vec()).into_error("x");
+        assert!(
+            matches!(e, Error::Cm(CmError::Rejected { reason: 8, .. })),
+            "{e}"
+        );
+        let e = CmEvent::AddrResolved.into_error("a connect request");
+        assert!(
+            matches!(
+                e,
+                Error::Cm(CmError::UnexpectedEvent {
+                    got: "ADDR_RESOLVED",
+                    ..
+                })
+            ),
+            "{e}"
+        );
+        assert!(e.to_string().contains("a connect request"), "{e}");
+    }
 
     #[test]
     fn event_names_follow_the_enum() {
