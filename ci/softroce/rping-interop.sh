@@ -6,7 +6,7 @@
 #
 # Pairs rdma-core's rping server with our client, our server with rdma-core's client (both
 # with -V validation), ours with ours, and checks the output lines. Prints one
-# "PASS|FAIL <name>" line per pairing and exits 1 if any failed.
+# "PASS|FAIL <seconds> rping: <name>" line per pairing and exits 1 if any failed.
 set -u
 EXAMPLES=${1:?usage: rping-interop.sh EXAMPLES_DIR [ADDR]}
 ADDR=${2:-${SOFTROCE_CM_ADDR:-10.77.0.1}}
@@ -14,7 +14,9 @@ OURS=$EXAMPLES/rping
 THEIRS=$(command -v rping || true)
 FAILED=0
 PORT=7300
-result() { echo "$1 rping: $2"; [ "$1" = PASS ] || FAILED=$((FAILED + 1)); }
+T0=$(date +%s.%N)
+since() { awk -v a="$(date +%s.%N)" -v b="$1" 'BEGIN{printf "%.1f", a-b}'; }
+result() { echo "$1 $(since "$T0") rping: $2"; [ "$1" = PASS ] || FAILED=$((FAILED + 1)); }
 if [ ! -x "$OURS" ]; then result FAIL "our rping not built ($OURS)"; exit 1; fi
 if [ -z "$THEIRS" ]; then result FAIL "rdma-core's rping not installed (rdmacm-utils)"; exit 1; fi
 
@@ -22,6 +24,7 @@ if [ -z "$THEIRS" ]; then result FAIL "rdma-core's rping not installed (rdmacm-u
 pair() {
   local name=$1 sprog=$2 cprog=$3 count=$4 size=$5 out src crc ok=1 i
   PORT=$((PORT + 1))
+  T0=$(date +%s.%N)
   out=$(mktemp -d)
   echo "=== rping $name (port $PORT, -C $count -S $size)"
   timeout -k 5 120 "$sprog" -s -v -a "$ADDR" -p "$PORT" -S "$size" > "$out/server" 2> "$out/server.err" &
