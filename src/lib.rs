@@ -4,3 +4,4 @@
 
 pub mod perf;
 pub mod pingpong_wire;
+pub mod rping_wire;

@@ -126,6 +126,15 @@ else
   echo "=== interop: $OURS not built, pairings skipped"
 fi
 
+# rping over rdma_cm (needs the pair's IPv4 address on veth0 = rxe0): rping-interop.sh
+if [ -x "$EXAMPLES/rping" ]; then
+  "$(dirname "$0")/rping-interop.sh" "$EXAMPLES" > /tmp/rping-interop.log 2>&1
+  cat /tmp/rping-interop.log
+  # (a plain file, not <(...): the guest has no /dev/fd)
+  grep -E '^(PASS|FAIL) [0-9.]+ rping: ' /tmp/rping-interop.log > /tmp/rping-interop.results
+  [ -s /tmp/rping-interop.results ] || echo "FAIL 0 rping: interop script reported nothing" > /tmp/rping-interop.results
+  while read -r st secs rest; do record "$st" "$rest" "$secs"; done < /tmp/rping-interop.results
+fi
 echo
 echo "=== real-verbs suite summary ($(since "$T_START") s in the guest)"
 printf '%s\n' "${SUMMARY[@]}"

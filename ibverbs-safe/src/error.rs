@@ -216,6 +216,9 @@ pub enum Error {
     /// Waiting timed out.
     #[error("timed out after {0:?}")]
     Timeout(std::time::Duration),
+    /// The RDMA connection manager (rdma_cm) failed.
+    #[error(transparent)]
+    Cm(#[from] crate::cm::CmError),
 }
 
 fn memlock_hint(e: &io::Error) -> &'static str {

@@ -137,6 +137,12 @@
 //! methods. [`Endpoint`] has a fixed 36-byte little-endian encoding with typed decode
 //! errors.
 //!
+//! **Connection manager.** [`cm`] connects RC/UC queue pairs by IP address and port with
+//! rdma_cm (`librdmacm.so.1`, loaded at run time like libibverbs): address and route
+//! resolution pick the device, port, GID and path; connect / accept carry private data; every
+//! step has a timeout; events are an enum and an unexpected one is an error. The QP is built
+//! by the caller on the connection's device and comes out as the usual [`QueuePair`].
+//!
 //! **Raw layer.** [`QueuePair::post_send_raw`]/[`QueuePair::post_recv_raw`] (unsafe, raw
 //! [`raw::ibv_send_wr`] chains with odd `wr_id`s, so the safe poller can tell them apart)
 //! and [`CompletionQueue::poll_raw`] give experts the bare op-table calls.
@@ -204,6 +210,7 @@ macro_rules! skip {
 
 mod ah;
 mod buffer;
+pub mod cm;
 mod context;
 mod cq;
 mod device;

@@ -633,6 +633,32 @@ impl<T: Connected> PreparedQp<T> {
     }
 }
 
+impl<T: Connected> PreparedQp<T> {
+    /// The local port and device name the QP was built on (checked by the rdma_cm module
+    /// against the connection's).
+    pub(crate) fn port_and_device(&self) -> (u8, &str) {
+        (self.core.p.port, &self.core.pd.context().device().name)
+    }
+
+    /// Moves the QP to RTR and RTS with attributes computed elsewhere (by rdma_cm's
+    /// `rdma_init_qp_attr`), recording `remote` as the peer.
+    ///
+    /// # Errors
+    /// [`Error::ModifyQp`] (the QP is destroyed; its posted receives' buffers are released).
+    pub(crate) fn connect_with_attrs(
+        self,
+        rtr: &mut ibv_qp_attr,
+        rtr_mask: i32,
+        rts: &mut ibv_qp_attr,
+        rts_mask: i32,
+        remote: Endpoint,
+    ) -> Result<QueuePair<T>> {
+        self.core.modify(rtr, rtr_mask, "RTR")?;
+        self.core.modify(rts, rts_mask, "RTS")?;
+        Ok(self.into_connected(Some(remote)))
+    }
+}
+
 impl PreparedQp<Ud> {
     /// Moves a UD QP to RTR and RTS (UD needs no remote endpoint).
     ///

@@ -657,5 +657,7 @@ pub fn enum_values() -> Vec<(&'static str, i128)> {
     v
 }
 
+
+pub mod cm;
 #[cfg(test)]
 mod layout_tests;
