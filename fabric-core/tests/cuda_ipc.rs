@@ -21,9 +21,9 @@ fn gpu_present() -> bool {
         panic!("NVLINK_P2P_REQUIRE_GPU=1 but: {e}");
     }
     if e.to_string().contains("no CUDA device") {
-        skip(format_args!("no CUDA device"));
+        skip("gpu", format_args!("no CUDA device"));
     } else {
-        skip(format_args!("no CUDA driver"));
+        skip("gpu", format_args!("no CUDA driver"));
     }
     false
 }
@@ -32,7 +32,7 @@ fn gpu_present() -> bool {
 fn without_a_driver_everything_is_unavailable() {
     let probe = (backend::entry(TransportKind::CudaIpc).unwrap().probe)();
     if probe.is_ok() {
-        skip(format_args!("a CUDA driver and GPU are present"));
+        skip("no-gpu", format_args!("a CUDA driver and GPU are present"));
         return;
     }
     let check = |e: Error| match e {
@@ -332,9 +332,10 @@ fn protocol_over_the_stand_in_driver() {
         return;
     }
     let Some(dir) = stand_in_dir() else {
-        skip(format_args!(
-            "cannot build the stand-in driver (no C compiler `cc`)"
-        ));
+        skip(
+            "cc",
+            format_args!("cannot build the stand-in driver (no C compiler `cc`)"),
+        );
         return;
     };
     let status = Command::new(std::env::current_exe().unwrap())
@@ -353,11 +354,20 @@ fn protocol_over_the_stand_in_driver() {
     assert!(status.success(), "stand-in run failed: {status}");
 }
 
-/// Says why a test did not run, past libtest's output capture, so `cargo test` shows it.
-fn skip(why: std::fmt::Arguments<'_>) {
+/// Says why a test did not run — `skipped: <why> [lacks <capability>] [<test>]`, past
+/// libtest's output capture so that `cargo test` shows it — or, where the comma-separated
+/// `FABRIC_REQUIRE` names the capability, fails the test instead (the policy of the
+/// workspace's test helpers; capabilities here: `gpu`, `no-gpu`, `cc`).
+fn skip(capability: &str, why: std::fmt::Arguments<'_>) {
     let test = std::thread::current().name().unwrap_or("?").to_owned();
+    let required = std::env::var("FABRIC_REQUIRE").unwrap_or_default();
+    if required.split(',').any(|c| c.trim() == capability) {
+        panic!(
+            "this machine must have `{capability}` (FABRIC_REQUIRE={required}), but {why} [{test}]"
+        );
+    }
     let _ = std::io::Write::write_fmt(
         &mut std::io::stdout(),
-        format_args!("skipped: {why} [{test}]\n"),
+        format_args!("skipped: {why} [lacks {capability}] [{test}]\n"),
     );
 }

@@ -259,7 +259,10 @@ fn expectations() -> Vec<(String, u64)> {
 #[test]
 fn repr_c_layouts_match_verbs_h() {
     if !std::path::Path::new(HEADER).exists() {
-        skip!("libibverbs-dev headers not installed ({HEADER} missing)");
+        skip!(
+            "verbs-headers",
+            "libibverbs-dev headers not installed ({HEADER} missing)"
+        );
         return;
     }
     let exp = expectations();
@@ -281,7 +284,7 @@ fn repr_c_layouts_match_verbs_h() {
     let out = match Command::new(&cc).arg(&c_path).arg("-o").arg(&exe).output() {
         Ok(o) => o,
         Err(e) => {
-            skip!("no C compiler ({cc}: {e})");
+            skip!("verbs-headers", "no C compiler ({cc}: {e})");
             return;
         }
     };
