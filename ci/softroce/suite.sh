@@ -89,8 +89,8 @@ if [ -n "$ran" ]; then
 fi
 if [ -n "${FABRIC_CI_NOTES:-}" ]; then
   {
-    grep -E '^FLAKY: [0-9]+' "$out" | tail -n 1 | sed 's/^/soft-roce suite: /'
-    grep -E '^  [^ ]+: unverified:' "$out" | sed 's/^  /soft-roce suite: /'
+    grep -E '^FLAKY: [0-9]+' "$out" | tail -n 1 | sed 's/^/soft-roce suite: /' || true
+    grep -E '^  [^ ]+: unverified:' "$out" | sed 's/^  /soft-roce suite: /' || true
   } >> "$FABRIC_CI_NOTES"
 fi
 log "finished in $(($(date +%s) - t0)) s with status $rc${flaky:+; FLAKY: $flaky}"
