@@ -5,7 +5,7 @@
 set -euo pipefail
 pkgs=(
   # layout checks of our #[repr(C)] verbs types against the real headers (a C program, and
-  # bindgen at test time, which loads libclang); .ci/run's FABRIC_REQUIRE makes them mandatory
+  # the bindgen check, which needs libclang); .ci/run's FABRIC_REQUIRE makes them mandatory
   libibverbs-dev libclang-dev
   # real verbs in the Soft-RoCE guest, and the reference tools we compare against
   rdma-core ibverbs-providers ibverbs-utils perftest rdmacm-utils iproute2
