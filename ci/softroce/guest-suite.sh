@@ -80,7 +80,8 @@ run_test_binary() { # package-dir executable
       if [ $rc = 0 ]; then flaky=1; else rc=flaky-twice; fi
     fi
   fi
-  grep '^unverified:' "$log" | sed "s/^/$key: /" > "$log.u"
+  # (libtest may print "test NAME ... " just before a test's first line of output)
+  grep -E '(^|\.\.\. )unverified:' "$log" | sed -E "s/^(.*\.\.\. )?/$key: /" > "$log.u"
   while IFS= read -r l; do UNVERIFIED+=("$l"); done < "$log.u"
   bad=$(grep -E 'skipped( part)?:' "$log" | grep -Ev -e "$SKIP_ALLOW" | head -n 3)
   if [ "$rc" = 0 ] && [ -n "$bad" ]; then
