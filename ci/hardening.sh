@@ -6,6 +6,9 @@
 #   4. AddressSanitizer + LeakSanitizer over the cross-process shm/tcp and fd-passing tests
 # Every job is bounded by `timeout`; the whole script is meant to fit in ~25 minutes on 2 cores
 # including builds. All jobs run even if one fails; the script fails if any job failed.
+# A job that ran nothing fails too: no loom models, no fuzz targets (or a target that executed
+# no input), an empty Miri/ASan list, a cargo test step that ran zero tests, and a test filter
+# that matched no test that ran (`check_ran`, applied to every test step).
 #
 # Knobs (environment):
 #   HARDENING_JOBS          which jobs to run (default "loom fuzz miri asan")
@@ -32,13 +35,21 @@ summary=()
 logdir=$(mktemp -d "${TMPDIR:-/tmp}/hardening.XXXXXX")
 
 # run_step NAME SECONDS CMD... : run CMD under a timeout, record pass/fail, never abort the script.
+# Its output is also kept in $step_log (for check_ran).
+step_n=0
+step_log=
 run_step() {
   local name=$1 secs=$2
   shift 2
   local t0 rc=0
   t0=$(date +%s)
+  step_n=$((step_n + 1))
+  step_log="$logdir/step-$step_n.log"
   say "step '$name' (limit ${secs}s): $*"
-  timeout --kill-after=30 "$secs" "$@" || rc=$?
+  set +e
+  timeout --kill-after=30 "$secs" "$@" 2>&1 | tee "$step_log"
+  rc=${PIPESTATUS[0]}
+  set -e
   local took=$(($(date +%s) - t0))
   if ((rc == 124 || rc == 137)); then
     failures+=("$name: timed out after ${secs}s")
@@ -53,6 +64,39 @@ run_step() {
 }
 
 has_job() { [[ " $jobs " == *" $1 "* ]]; }
+
+# ran_nothing NAME WHY : record a job or step that ran nothing as a failure.
+ran_nothing() {
+  say "FAIL: $1 ran nothing: $2"
+  failures+=("$1: ran nothing ($2)")
+  summary+=("FAIL  $1 (ran nothing: $2)")
+}
+
+# check_ran NAME [LIBTEST ARGS...] : after a `cargo test` step, fail it when it ran no test, or
+# when a name filter among the libtest ARGS matched no test that ran (a renamed or deleted test
+# would otherwise leave its line here checking nothing). Arguments of --skip and other options
+# are not filters. Reads $step_log ("test NAME ... ok|FAILED" and "test result:" lines).
+check_ran() {
+  local name=$1
+  shift
+  local ran names f opt=""
+  ran=$(sed -nE 's/^test result: [A-Za-z]+\. ([0-9]+) passed; ([0-9]+) failed.*/\1 \2/p' "$step_log" |
+    awk '{ n += $1 + $2 } END { print n + 0 }')
+  if ((ran == 0)); then
+    ran_nothing "$name" "no test ran"
+    return 0
+  fi
+  names=$(grep -vE '^test [^ ]+ \.\.\. ignored' "$step_log" | sed -nE 's/^test ([^ ]+) \.\.\. .*/\1/p' || true)
+  for f in "$@"; do
+    if [[ -n $opt ]]; then opt=""; continue; fi
+    case "$f" in
+      --skip) opt=1; continue ;;
+      -*) continue ;;
+    esac
+    grep -qF -- "$f" <<<"$names" || ran_nothing "$name" "the filter '$f' matched no test"
+  done
+  say "$name: $ran tests ran"
+}
 
 # ---------------------------------------------------------------------------------------------
 # toolchain: nightly with miri + rust-src (idempotent), cargo-fuzz (no-op when installed)
@@ -97,14 +141,16 @@ if has_job loom; then
       loom_found=1
       RUSTFLAGS="--cfg $cfg" run_step "loom $crate ${args[*]}" 900 \
         cargo test --release --target-dir target/loom -p "$crate" "${args[@]}"
+      check_ran "loom $crate ${args[*]}"
     fi
     if ((lib_loom)); then
       loom_found=1
       RUSTFLAGS="--cfg $cfg" run_step "loom $crate --lib" 900 \
         cargo test --release --target-dir target/loom -p "$crate" --lib -- loom
+      check_ran "loom $crate --lib" loom
     fi
   done
-  ((loom_found)) || { say "loom: no loom models found (no */tests/loom_*.rs, no lib loom tests)"; summary+=("none  loom (no models yet)"); }
+  ((loom_found)) || ran_nothing loom "no loom models found (no */tests/loom_*.rs, no lib loom tests)"
 fi
 
 # ---------------------------------------------------------------------------------------------
@@ -116,8 +162,7 @@ if has_job fuzz; then
   say "== fuzz"
   mapfile -t targets < <(cargo +"$nightly" fuzz list --fuzz-dir fuzz 2>/dev/null || true)
   if ((${#targets[@]} == 0)); then
-    say "fuzz: no fuzz targets in fuzz/fuzz_targets/ (nothing to run)"
-    summary+=("none  fuzz (no targets yet)")
+    ran_nothing fuzz "no fuzz targets listed by 'cargo fuzz list' (fuzz/fuzz_targets/)"
   else
     per=$fuzz_seconds
     ((fuzz_total / ${#targets[@]} < per)) && per=$((fuzz_total / ${#targets[@]}))
@@ -136,6 +181,7 @@ if has_job fuzz; then
       execs=$(grep -Eo 'stat::number_of_executed_units: *[0-9]+' "$log" | grep -Eo '[0-9]+$' | tail -n1 || true)
       [ -n "$execs" ] || execs=$(grep -Eo 'Done [0-9]+ runs' "$log" | grep -Eo '[0-9]+' | tail -n1 || true)
       summary+=("      fuzz $t: ${execs:-?} executions in ${per}s")
+      [[ ${execs:-0} =~ ^[0-9]+$ ]] && ((execs > 0)) || ran_nothing "fuzz $t" "no executions reported"
     done
   fi
 fi
@@ -156,8 +202,7 @@ miri_jobs=(
 if has_job miri; then
   say "== miri"
   if ((${#miri_jobs[@]} == 0)); then
-    say "miri: no Miri test sets configured yet"
-    summary+=("none  miri (no test sets yet)")
+    ran_nothing miri "no Miri test sets configured"
   else
     # Isolation off: the code under test reads the clock and getrandom for keys and nonces.
     export MIRIFLAGS="${MIRIFLAGS:--Zmiri-disable-isolation}"
@@ -166,6 +211,8 @@ if has_job miri; then
       IFS='|' read -r crate sel filt <<<"$entry"
       # shellcheck disable=SC2086
       run_step "miri $crate $sel $filt" 900 cargo +"$nightly" miri test -p "$crate" $sel -- $filt
+      # shellcheck disable=SC2086
+      check_ran "miri $crate $sel $filt" $filt
     done
   fi
 fi
@@ -188,8 +235,7 @@ asan_jobs=(
 if has_job asan; then
   say "== asan"
   if ((${#asan_jobs[@]} == 0)); then
-    say "asan: no sanitizer test sets configured yet"
-    summary+=("none  asan (no test sets yet)")
+    ran_nothing asan "no sanitizer test sets configured"
   else
     asan_logs="$logdir/asan-reports"
     mkdir -p "$asan_logs"
@@ -203,6 +249,8 @@ if has_job asan; then
         LSAN_OPTIONS="" \
         run_step "asan $crate $sel $filt" 1200 \
         cargo +"$nightly" test --target "$host_triple" --target-dir target/asan -p "$crate" $sel -- $filt
+      # shellcheck disable=SC2086
+      check_ran "asan $crate $sel $filt" $filt
     done
     if compgen -G "$asan_logs/asan*" >/dev/null; then
       say "asan: sanitizer reports:"

@@ -12,11 +12,13 @@
 //! (The protocol has no shared secret, so there is no wrong-secret case here; the bootstrap
 //! listener's wrong-secret case is in `tests/fabric_bootstrap.rs`.)
 
+mod support;
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+use support::skip;
 
 use fabric::pingpong_wire::{Destination, MESSAGE_LEN};
 
@@ -44,16 +46,18 @@ fn start_server(test: &str, port: u16) -> Option<Server> {
     let dev = match device() {
         Ok(d) => d,
         Err(why) => {
-            skip(format_args!(
-                "{test}: {why}; runs in the Soft-RoCE guest (ci/softroce/suite.sh)"
-            ));
+            skip(
+                "rdma",
+                format_args!("{test}: {why}; runs in the Soft-RoCE guest (ci/softroce/suite.sh)"),
+            );
             return None;
         }
     };
     let Some(bin) = example() else {
-        skip(format_args!(
-            "{test}: example binary rc_pingpong not built next to this test"
-        ));
+        skip(
+            "examples",
+            format_args!("{test}: example binary rc_pingpong not built next to this test"),
+        );
         return None;
     };
     let child = Command::new(bin)
@@ -215,14 +219,5 @@ fn wrong_done_message_is_refused() {
         // The server may already refuse to connect its QP to the made-up peer; either way
         // it must say why.
         &["done", "modify", "connect", "QP", "qp"],
-    );
-}
-
-/// Says why a test did not run, past libtest's output capture, so `cargo test` shows it.
-fn skip(why: std::fmt::Arguments<'_>) {
-    let test = std::thread::current().name().unwrap_or("?").to_owned();
-    let _ = std::io::Write::write_fmt(
-        &mut std::io::stdout(),
-        format_args!("skipped: {why} [{test}]\n"),
     );
 }

@@ -3,8 +3,10 @@
 //! `fabric_info` run to completion. `cargo test` builds the examples next to the test
 //! binaries (`target/<profile>/examples/`).
 
+mod support;
 use std::path::PathBuf;
 use std::process::Command;
+use support::skip;
 
 fn example(name: &str) -> Option<PathBuf> {
     let exe = std::env::current_exe().ok()?;
@@ -14,9 +16,10 @@ fn example(name: &str) -> Option<PathBuf> {
 
 fn run(name: &str, args: &[&str], env: &[(&str, &str)]) -> Option<String> {
     let Some(path) = example(name) else {
-        skip(format_args!(
-            "example binary {name} not built next to this test"
-        ));
+        skip(
+            "examples",
+            format_args!("example binary {name} not built next to this test"),
+        );
         return None;
     };
     let mut cmd = Command::new(path);
@@ -107,7 +110,10 @@ fn fabric_info_reports_without_panicking() {
 #[test]
 fn pingpong_over_verbs_when_available() {
     if let Err(e) = (fabric_core::backend::verbs::ENTRY.probe)() {
-        skip(format_args!("pingpong_over_verbs_when_available: {e}"));
+        skip(
+            "rdma",
+            format_args!("pingpong_over_verbs_when_available: {e}"),
+        );
         return;
     }
     let Some(out) = run(
@@ -122,14 +128,5 @@ fn pingpong_over_verbs_when_available() {
         rows(&out).last().map(|r| r[0].as_str()),
         Some("65536"),
         "{out}"
-    );
-}
-
-/// Says why a test did not run, past libtest's output capture, so `cargo test` shows it.
-fn skip(why: std::fmt::Arguments<'_>) {
-    let test = std::thread::current().name().unwrap_or("?").to_owned();
-    let _ = std::io::Write::write_fmt(
-        &mut std::io::stdout(),
-        format_args!("skipped: {why} [{test}]\n"),
     );
 }

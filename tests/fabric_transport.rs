@@ -7,9 +7,11 @@
 //! operation must complete with an error within a bounded time, no hang), and a leak check
 //! of `/proc/self/fd` and `/proc/self/maps` around a whole connection's life.
 
+mod support;
 use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
+use support::skip;
 
 use fabric_core::backend::{self, Options};
 use fabric_core::{
@@ -401,7 +403,7 @@ fn verbs_usable(test: &str) -> bool {
     match (backend::verbs::ENTRY.probe)() {
         Ok(()) => true,
         Err(e) => {
-            skip(format_args!("{test}: {e}"));
+            skip("rdma", format_args!("{test}: {e}"));
             false
         }
     }
@@ -436,13 +438,4 @@ fn verbs_error_semantics() {
     assert!(matches!(e.error, Error::Disconnected(_)), "{e}");
     child.kill().unwrap();
     child.wait().unwrap();
-}
-
-/// Says why a test did not run, past libtest's output capture, so `cargo test` shows it.
-fn skip(why: std::fmt::Arguments<'_>) {
-    let test = std::thread::current().name().unwrap_or("?").to_owned();
-    let _ = std::io::Write::write_fmt(
-        &mut std::io::stdout(),
-        format_args!("skipped: {why} [{test}]\n"),
-    );
 }

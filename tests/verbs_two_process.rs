@@ -16,10 +16,12 @@
 //! devices joined by a veth pair; `SOFTROCE_LO_DEV`/`_GID`: one on loopback); both are
 //! used. Elsewhere the first device and its IPv4-mapped RoCE GID (else index 0).
 
+mod support;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+use support::skip;
 
 use ibverbs_safe::{
     AlignedBuffer, Completion, CompletionQueue, Endpoint, MemoryRegion, QpState, QueuePair, Rc,
@@ -57,11 +59,11 @@ fn configurations(test: &str) -> Option<Vec<Ends>> {
     let devs = match ibverbs_safe::devices() {
         Ok(d) if !d.is_empty() => d,
         Ok(_) => {
-            skip(format_args!("no RDMA device ({test})"));
+            skip("rdma", format_args!("no RDMA device ({test})"));
             return None;
         }
         Err(err) => {
-            skip(format_args!("no RDMA device ({test}: {err})"));
+            skip("rdma", format_args!("no RDMA device ({test}: {err})"));
             return None;
         }
     };
@@ -561,13 +563,4 @@ fn peer_death(ends: &Ends) -> R<String> {
         STREAM.retry_time(),
         statuses.len() - 1
     ))
-}
-
-/// Says why a test did not run, past libtest's output capture, so `cargo test` shows it.
-fn skip(why: std::fmt::Arguments<'_>) {
-    let test = std::thread::current().name().unwrap_or("?").to_owned();
-    let _ = std::io::Write::write_fmt(
-        &mut std::io::stdout(),
-        format_args!("skipped: {why} [{test}]\n"),
-    );
 }

@@ -39,9 +39,9 @@ fn gpu_present() -> bool {
         panic!("NVLINK_P2P_REQUIRE_GPU=1 but: {e}");
     }
     if e.to_string().contains("no CUDA device") {
-        skip(format_args!("no CUDA device"));
+        skip("gpu", format_args!("no CUDA device"));
     } else {
-        skip(format_args!("no CUDA driver"));
+        skip("gpu", format_args!("no CUDA driver"));
     }
     false
 }
@@ -221,9 +221,10 @@ fn between_processes_over_the_stand_in_driver() {
         return;
     }
     let Some(dir) = stand_in_dir() else {
-        skip(format_args!(
-            "cannot build the stand-in driver (no C compiler `cc`)"
-        ));
+        skip(
+            "cc",
+            format_args!("cannot build the stand-in driver (no C compiler `cc`)"),
+        );
         return;
     };
     let status = Command::new(std::env::current_exe().unwrap())
@@ -467,9 +468,10 @@ fn protocol_over_the_stand_in_driver() {
         return;
     }
     let Some(dir) = stand_in_dir() else {
-        skip(format_args!(
-            "cannot build the stand-in driver (no C compiler `cc`)"
-        ));
+        skip(
+            "cc",
+            format_args!("cannot build the stand-in driver (no C compiler `cc`)"),
+        );
         return;
     };
     let status = Command::new(std::env::current_exe().unwrap())
@@ -488,11 +490,20 @@ fn protocol_over_the_stand_in_driver() {
     assert!(status.success(), "stand-in run failed: {status}");
 }
 
-/// Says why a test did not run, past libtest's output capture, so `cargo test` shows it.
-/// With `NVLINK_P2P_REQUIRE_GPU=1` (the GPU machine) the only skips that reach here are for a
-/// missing C compiler (the stand-in tests): a named limit of that machine, printed as such.
-fn skip(why: std::fmt::Arguments<'_>) {
+/// Says why a test did not run — `skipped: <why> [lacks <capability>] [<test>]`, past
+/// libtest's output capture so that `cargo test` shows it — or, where the comma-separated
+/// `FABRIC_REQUIRE` names the capability, fails the test instead (the policy of the
+/// workspace's test helpers; capabilities here: `gpu`, `cc`). With `NVLINK_P2P_REQUIRE_GPU=1`
+/// (the GPU machine) the only skips that reach here are for a missing C compiler (the
+/// stand-in tests): a named limit of that machine, printed as `limit:`.
+fn skip(capability: &str, why: std::fmt::Arguments<'_>) {
     let test = std::thread::current().name().unwrap_or("?").to_owned();
+    let required = std::env::var("FABRIC_REQUIRE").unwrap_or_default();
+    if required.split(',').any(|c| c.trim() == capability) {
+        panic!(
+            "this machine must have `{capability}` (FABRIC_REQUIRE={required}), but {why} [{test}]"
+        );
+    }
     let word = if std::env::var("NVLINK_P2P_REQUIRE_GPU").as_deref() == Ok("1") {
         "limit:"
     } else {
@@ -500,6 +511,7 @@ fn skip(why: std::fmt::Arguments<'_>) {
     };
     let _ = std::io::Write::write_fmt(
         &mut std::io::stdout(),
-        format_args!("{word} {why} [{test}]\n"),
+        format_args!("{word} {why} [lacks {capability}] [{test}]
+"),
     );
 }

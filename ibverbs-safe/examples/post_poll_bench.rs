@@ -12,10 +12,53 @@
 //! * `latency`: post one signalled WRITE, poll until it completed, repeat;
 //! * `pipelined`: keep `depth` signalled WRITEs in flight, polling completions in batches.
 //!
-//! Prints `skipped: no RDMA device` (exit 0) where there is none.
+//! Timing: the time-stamp counter is read once at the start and once at the end of each round
+//! (as `examples/verbs_perf.rs` reads it), never per message; the monotonic clock is read only
+//! to convert counter ticks to ns over the whole run, and for the timeout, once every 4096
+//! empty polls. (In the TCG guest a `clock_gettime` is a system call plus an emulated HPET
+//! read, about 5 µs: per message, that would pull every ratio toward 1.0.)
+//!
+//! Prints `skipped: no RDMA device [lacks rdma]` (exit 0) where there is none; where
+//! `FABRIC_REQUIRE` lists `rdma` that is an error (exit 1) instead.
 use ibverbs_safe::raw::{self, ibv_sge, ibv_wc};
 use ibverbs_safe::*;
 use std::time::{Duration, Instant};
+
+/// The time-stamp counter (as perftest's `get_cycles()` and `examples/verbs_perf.rs`).
+#[cfg(target_arch = "x86_64")]
+fn cycles() -> u64 {
+    // SAFETY: RDTSC only reads the time-stamp counter (every x86_64 CPU has it); it touches
+    // no memory.
+    unsafe { std::arch::x86_64::_rdtsc() }
+}
+
+/// Elsewhere: nanoseconds since the first call.
+#[cfg(not(target_arch = "x86_64"))]
+fn cycles() -> u64 {
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    START.get_or_init(Instant::now).elapsed().as_nanos() as u64
+}
+
+/// A timeout check that reads the clock only once every 4096 calls (each one an empty poll).
+struct Deadline {
+    end: Instant,
+    empty: u32,
+}
+
+impl Deadline {
+    fn new() -> Self {
+        Deadline {
+            end: Instant::now() + TIMEOUT,
+            empty: 0,
+        }
+    }
+    fn empty_poll(&mut self) {
+        self.empty = self.empty.wrapping_add(1);
+        if self.empty % 4096 == 0 && Instant::now() > self.end {
+            panic!("timed out");
+        }
+    }
+}
 
 struct Args {
     dev: Option<String>,
@@ -70,29 +113,27 @@ fn safe_round(
     iters: usize,
     depth: usize,
     out: &mut [Completion],
-) -> (Duration, Duration) {
-    let t0 = Instant::now();
-    let mut in_post = Duration::ZERO;
+) -> u64 {
+    let mut deadline = Deadline::new();
+    let t0 = cycles();
     let (mut posted, mut done) = (0usize, 0usize);
     while done < iters {
-        let p0 = Instant::now();
         while posted < iters && posted - done < depth {
             qp.post_send(SendRequest::write(src.clone(), remote).wr_id(posted as u64))
                 .expect("post");
             posted += 1;
         }
-        in_post += p0.elapsed();
         settle();
         let n = cq.poll(out).expect("poll");
         for c in &out[..n] {
             assert!(c.is_ok(), "completion error {}", c.status());
         }
         done += n;
-        if n == 0 && t0.elapsed() > TIMEOUT {
-            panic!("timed out");
+        if n == 0 {
+            deadline.empty_poll();
         }
     }
-    (t0.elapsed(), in_post)
+    cycles() - t0
 }
 
 /// Safe scoped API: posts borrow the region (no handle per post); the scope waits at the end.
@@ -106,31 +147,29 @@ fn scoped_round(
     iters: usize,
     depth: usize,
     out: &mut [Completion],
-) -> (Duration, Duration) {
-    let t0 = Instant::now();
-    let mut in_post = Duration::ZERO;
+) -> u64 {
+    let mut deadline = Deadline::new();
+    let t0 = cycles();
     qp.scope(cq, TIMEOUT, |s| {
         let (mut posted, mut done) = (0usize, 0usize);
         while done < iters {
-            let p0 = Instant::now();
             while posted < iters && posted - done < depth {
                 s.write(src, ..len, remote, posted as u64).expect("post");
                 posted += 1;
             }
-            in_post += p0.elapsed();
             settle();
             let n = s.poll(out).expect("poll");
             for c in &out[..n] {
                 assert!(c.is_ok(), "completion error {}", c.status());
             }
             done += n;
-            if n == 0 && t0.elapsed() > TIMEOUT {
-                panic!("timed out");
+            if n == 0 {
+                deadline.empty_poll();
             }
         }
     })
     .expect("scope");
-    (t0.elapsed(), in_post)
+    cycles() - t0
 }
 
 /// Raw op-table calls: a prepared `ibv_send_wr`, `post_send_raw` and `poll_raw`.
@@ -143,17 +182,16 @@ fn raw_round(
     iters: usize,
     depth: usize,
     wcs: &mut [ibv_wc],
-) -> (Duration, Duration) {
+) -> u64 {
     let mut sge = ibv_sge {
         addr: src.addr(),
         length: src.len() as u32,
         lkey: src.lkey(),
     };
-    let t0 = Instant::now();
-    let mut in_post = Duration::ZERO;
+    let mut deadline = Deadline::new();
+    let t0 = cycles();
     let (mut posted, mut done) = (0usize, 0usize);
     while done < iters {
-        let p0 = Instant::now();
         while posted < iters && posted - done < depth {
             let mut wr = raw::send_wr();
             wr.wr_id = ((posted as u64) << 1) | 1;
@@ -171,18 +209,17 @@ fn raw_round(
             unsafe { qp.post_send_raw(&mut wr) }.expect("raw post");
             posted += 1;
         }
-        in_post += p0.elapsed();
         settle();
         let n = cq.poll_raw(wcs).expect("raw poll");
         for wc in &wcs[..n] {
             assert_eq!(wc.status, 0, "completion error");
         }
         done += n;
-        if n == 0 && t0.elapsed() > TIMEOUT {
-            panic!("timed out");
+        if n == 0 {
+            deadline.empty_poll();
         }
     }
-    (t0.elapsed(), in_post)
+    cycles() - t0
 }
 
 /// With `BENCH_SETTLE=1`, wait before each poll so the burst has completed: every poll then
@@ -200,6 +237,12 @@ fn settle() {
     }
 }
 
+/// Nanoseconds per counter tick, measured over everything since `(clock0, tsc0)`.
+fn ns_per_tick(clock0: Instant, tsc0: u64) -> f64 {
+    let ticks = cycles().wrapping_sub(tsc0).max(1);
+    clock0.elapsed().as_nanos() as f64 / ticks as f64
+}
+
 fn median(v: &mut Vec<f64>) -> f64 {
     v.retain(|x| x.is_finite());
     if v.is_empty() {
@@ -214,7 +257,12 @@ fn main() -> Result<()> {
     let ctx = match open(a.dev.as_deref()) {
         Ok(c) => c,
         Err(e @ (Error::NoDevice { .. } | Error::LibraryUnavailable { .. })) => {
-            println!("skipped: no RDMA device ({e})");
+            let required = std::env::var("FABRIC_REQUIRE").unwrap_or_default();
+            if required.split(',').any(|c| c.trim() == "rdma") {
+                eprintln!("this machine must have `rdma` (FABRIC_REQUIRE={required}), but: {e}");
+                std::process::exit(1);
+            }
+            println!("skipped: no RDMA device ({e}) [lacks rdma]");
             return Ok(());
         }
         Err(e) => return Err(e),
@@ -243,6 +291,8 @@ fn main() -> Result<()> {
     let mut out = Completion::buffer(a.depth.max(16));
     let mut wcs = vec![ibv_wc::default(); a.depth.max(16)];
 
+    // Counter ticks to ns, over the whole run (outside every timed round).
+    let (clock0, tsc0) = (Instant::now(), cycles());
     println!(
         "post+poll cost, RC RDMA WRITE of {} B on {} (GID {gid}): {} rounds x {} messages per variant, \
          variants interleaved (order rotates every round); medians",
@@ -279,7 +329,8 @@ fn main() -> Result<()> {
         raw_round(&mut qp, &mut cq, &src, remote, a.iters, d, &mut wcs);
         let mut t: [Vec<f64>; 3] = Default::default();
         let (mut pair_owned, mut pair_scoped) = (vec![], vec![]);
-        let per = |t: Duration| t.as_nanos() as f64 / a.iters as f64;
+        // per-message cost in counter ticks; converted to ns at the end
+        let per = |ticks: u64| ticks as f64 / a.iters as f64;
         for round in 0..a.rounds {
             let mut this = [f64::NAN; 3];
             for k in 0..3 {
@@ -287,7 +338,7 @@ fn main() -> Result<()> {
                 if !only.is_empty() && only != names[v] {
                     continue;
                 }
-                let (total, _in_post) = match v {
+                let total = match v {
                     0 => safe_round(&mut qp, &mut cq, &src, remote, a.iters, d, &mut out),
                     1 => scoped_round(
                         &mut qp, &mut cq, &src_mr, a.size, remote, a.iters, d, &mut out,
@@ -306,7 +357,12 @@ fn main() -> Result<()> {
             }
         }
         let [mut o, mut sc, mut r] = t;
-        let (mo, ms, mr) = (median(&mut o), median(&mut sc), median(&mut r));
+        let ns = ns_per_tick(clock0, tsc0);
+        let (mo, ms, mr) = (
+            median(&mut o) * ns,
+            median(&mut sc) * ns,
+            median(&mut r) * ns,
+        );
         println!(
             "{:<10} {:>5} {:>12.0} {:>12.0} {:>12.0} {:>11.3} {:>11.3} {:>13.3} {:>13.3}",
             name,
@@ -320,7 +376,7 @@ fn main() -> Result<()> {
             median(&mut pair_scoped)
         );
     }
-    println!("(owned: SendRequest with an MrSlice handle per post; scoped: QueuePair::scope borrowing the region; raw: post_send_raw/poll_raw; paired = median of per-round ratios to raw)");
+    println!("(owned: SendRequest with an MrSlice handle per post; scoped: QueuePair::scope borrowing the region; raw: post_send_raw/poll_raw; paired = median of per-round ratios to raw; timed with the time-stamp counter per round, {:.3} ns per tick over the run)", ns_per_tick(clock0, tsc0));
     drop(out);
     drop(src);
     assert_eq!(src_mr.outstanding(), 0, "every handle came back");

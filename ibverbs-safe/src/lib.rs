@@ -197,14 +197,31 @@
 // allocation); that makes some `Err` variants large by design.
 #![allow(clippy::result_large_err)]
 
-/// Prints `skipped: <reason>` for a test that lacks hardware or tools, straight to the
-/// process's stdout: libtest captures `println!` of passing tests, so that would be invisible
-/// in `cargo test` output; a direct write to stdout is not captured.
+/// `skip!("capability", "reason {}", x)`: prints `skipped: <reason> [lacks <capability>]` for
+/// a test that lacks hardware or tools, straight to the process's stdout (libtest captures
+/// `println!` of passing tests, so that would be invisible in `cargo test` output; a direct
+/// write to stdout is not captured) — or, where the comma-separated `FABRIC_REQUIRE` names
+/// the capability (CI's host stage and the Soft-RoCE guest set it), fails the test instead.
+/// Capabilities used in this crate's unit tests: `libibverbs` (the library),
+/// `verbs-headers` (infiniband/verbs.h and a C compiler), `libclang`.
 #[cfg(test)]
 macro_rules! skip {
-    ($($t:tt)*) => {{
+    ($capability:literal, $($t:tt)*) => {{
         use std::io::Write as _;
-        let _ = writeln!(std::io::stdout().lock(), "skipped: {}", format_args!($($t)*));
+        let required = std::env::var("FABRIC_REQUIRE").unwrap_or_default();
+        if required.split(',').any(|c| c.trim() == $capability) {
+            panic!(
+                "this machine must have `{}` (FABRIC_REQUIRE={required}), but {}",
+                $capability,
+                format_args!($($t)*)
+            );
+        }
+        let _ = writeln!(
+            std::io::stdout().lock(),
+            "skipped: {} [lacks {}]",
+            format_args!($($t)*),
+            $capability
+        );
     }};
 }
 

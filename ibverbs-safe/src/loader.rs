@@ -271,7 +271,7 @@ mod tests {
                 v.reg_dmabuf_mr.is_some(),
                 "ibv_reg_dmabuf_mr@{REG_DMABUF_MR_VERSION} not resolved"
             ),
-            Err(e) => skip!("{LIBRARY} not installed ({e})"),
+            Err(e) => skip!("libibverbs", "{LIBRARY} not installed ({e})"),
         }
     }
 }

@@ -270,7 +270,10 @@ fn repr_c_layouts_match_verbs_h() {
         .chain([std::path::PathBuf::from(HEADER)])
         .find(|p| p.exists());
     let Some(header) = found else {
-        skip!("libibverbs-dev headers not installed ({HEADER} missing)");
+        skip!(
+            "verbs-headers",
+            "libibverbs-dev headers not installed ({HEADER} missing)"
+        );
         return;
     };
     let exp = expectations();
@@ -296,7 +299,7 @@ fn repr_c_layouts_match_verbs_h() {
     let out = match cmd.arg(&c_path).arg("-o").arg(&exe).output() {
         Ok(o) => o,
         Err(e) => {
-            skip!("no C compiler ({cc}: {e})");
+            skip!("verbs-headers", "no C compiler ({cc}: {e})");
             return;
         }
     };

@@ -1,6 +1,7 @@
 //! Shared set-up for the real-verbs tests: they need an RDMA device (Soft-RoCE in the guest:
 //! `SR_RXE=lo` → rxe0 with GID index 1 = ::ffff:127.0.0.1; `SR_RXE=pair` → rxe0/rxe1 on a veth
-//! pair with GID index 0) and print `skipped: no RDMA device` elsewhere.
+//! pair with GID index 0) and print `skipped: no RDMA device … [lacks rdma]` elsewhere (a
+//! failure where `FABRIC_REQUIRE` lists `rdma`).
 #![allow(dead_code)]
 
 use ibverbs_safe::*;
@@ -8,11 +9,22 @@ use std::time::Duration;
 
 pub const T: Duration = Duration::from_secs(10);
 
-/// Prints `skipped: <reason>` straight to the process's stdout, so it shows in plain
-/// `cargo test` output (libtest captures `println!` of passing tests).
-pub fn skip(reason: std::fmt::Arguments<'_>) {
+/// Prints `skipped: <reason> [lacks <capability>]` straight to the process's stdout, so it
+/// shows in plain `cargo test` output (libtest captures `println!` of passing tests) — or,
+/// where the comma-separated `FABRIC_REQUIRE` names the capability (the Soft-RoCE guest sets
+/// `rdma,vgem,verbs-headers,…`), fails the test with that reason instead: a machine that
+/// must have the hardware does not get to pass by skipping. Capabilities used here: `rdma`
+/// (an RDMA device), `vgem` (a DMA-BUF exporter); the workspace's README lists them all.
+pub fn skip(capability: &str, reason: std::fmt::Arguments<'_>) {
     use std::io::Write as _;
-    let _ = writeln!(std::io::stdout().lock(), "skipped: {reason}");
+    let required = std::env::var("FABRIC_REQUIRE").unwrap_or_default();
+    if required.split(',').any(|c| c.trim() == capability) {
+        panic!("this machine must have `{capability}` (FABRIC_REQUIRE={required}), but {reason}");
+    }
+    let _ = writeln!(
+        std::io::stdout().lock(),
+        "skipped: {reason} [lacks {capability}]"
+    );
 }
 
 /// Prints a line past libtest's capture (for results a reader must see, like what a
@@ -42,12 +54,12 @@ pub fn layouts(test: &str) -> Vec<Layout> {
     let devs = match devices() {
         Ok(d) => d,
         Err(e) => {
-            skip(format_args!("no RDMA device ({test}: {e})"));
+            skip("rdma", format_args!("no RDMA device ({test}: {e})"));
             return vec![];
         }
     };
     if devs.is_empty() {
-        skip(format_args!("no RDMA device ({test})"));
+        skip("rdma", format_args!("no RDMA device ({test})"));
         return vec![];
     }
     let gid_override = env_u8("IBV_GID_INDEX");
