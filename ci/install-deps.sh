@@ -5,8 +5,8 @@
 set -euo pipefail
 pkgs=(
   # layout checks of our #[repr(C)] verbs types against the real headers: the C program
-  # (cc) and the bindgen proof in ffi-check/ (libclang, opened at run time)
-  libibverbs-dev libclang-dev
+  # (cc) and the bindgen proof in ffi-check/ (libclang, opened at run time; rdma_cma.h too)
+  libibverbs-dev librdmacm-dev libclang-dev
   # real verbs in the Soft-RoCE guest, and the reference tools we compare against
   rdma-core ibverbs-providers ibverbs-utils perftest rdmacm-utils iproute2
   qemu-system-x86 busybox-static kmod cpio

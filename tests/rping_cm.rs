@@ -29,13 +29,12 @@ fn port() -> u16 {
     PORT.fetch_add(1, Ordering::Relaxed) + (std::process::id() % 100) as u16 * 10
 }
 
+mod support;
+
+/// A skip for lack of an RDMA device with rdma_cm (`rdma`): a failure where FABRIC_REQUIRE
+/// names it (the Soft-RoCE guest).
 fn skip(test: &str, why: &str) {
-    let required = std::env::var("FABRIC_REQUIRE")
-        .map(|v| v.split(',').any(|c| c.trim() == "rdma"))
-        .unwrap_or(false);
-    assert!(!required, "{test}: {why} (FABRIC_REQUIRE=rdma)");
-    use std::io::Write as _;
-    let _ = writeln!(std::io::stdout().lock(), "skipped: {test}: {why}");
+    support::skip("rdma", format_args!("{test}: {why}"));
 }
 
 /// The rdma_cm address to use, or why there is none.

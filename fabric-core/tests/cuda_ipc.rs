@@ -511,7 +511,9 @@ fn skip(capability: &str, why: std::fmt::Arguments<'_>) {
     };
     let _ = std::io::Write::write_fmt(
         &mut std::io::stdout(),
-        format_args!("{word} {why} [lacks {capability}] [{test}]
-"),
+        format_args!(
+            "{word} {why} [lacks {capability}] [{test}]
+"
+        ),
     );
 }

@@ -48,8 +48,8 @@ pub struct Header {
     pub functions: BTreeMap<String, syn::Type>,
 }
 
-/// Runs bindgen over `#include <infiniband/verbs.h>` (and `<rdma/rdma_cma.h>` where
-/// installed, for rdma_cm mirrors), searching `include_dirs` before the system directories,
+/// Runs bindgen over `#include <infiniband/verbs.h>` and `<rdma/rdma_cma.h>` (the rdma_cm
+/// mirrors of `sys/cm.rs`), searching `include_dirs` before the system directories,
 /// and returns the generated Rust source.
 ///
 /// # Errors
@@ -63,9 +63,7 @@ pub fn generate(include_dirs: &[PathBuf]) -> Result<Result<String, String>, Unav
         .header_contents(
             "ffi_check.h",
             "#include <infiniband/verbs.h>\n\
-             #if __has_include(<rdma/rdma_cma.h>)\n\
-             #include <rdma/rdma_cma.h>\n\
-             #endif\n",
+             #include <rdma/rdma_cma.h>\n",
         )
         .prepend_enum_name(false)
         .generate_comments(false)
@@ -84,6 +82,11 @@ pub fn generate(include_dirs: &[PathBuf]) -> Result<Result<String, String>, Unav
                 .nth(1)
                 .and_then(|rest| rest.split_once("' file not found"))
                 .map(|(file, _)| file.to_string());
+            if missing.as_deref() == Some("rdma/rdma_cma.h") {
+                return Err(Unavailable(
+                    "rdma/rdma_cma.h not found (install librdmacm-dev)".to_string(),
+                ));
+            }
             if let Some(file) = missing.filter(|f| !f.starts_with("infiniband/")) {
                 // libclang1 without libclang-common-dev: clang lacks its builtin headers.
                 return Err(Unavailable(format!(

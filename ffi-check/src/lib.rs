@@ -1,5 +1,6 @@
-//! Proves `ibverbs-safe`'s hand-written `#[repr(C)]` mirrors of `<infiniband/verbs.h>` field
-//! by field against the installed header, with `bindgen`.
+//! Proves `ibverbs-safe`'s hand-written `#[repr(C)]` mirrors of `<infiniband/verbs.h>` and
+//! `<rdma/rdma_cma.h>` (the rdma_cm mirrors in `sys/cm.rs`) field by field against the
+//! installed headers, with `bindgen`.
 //!
 //! Dev-only: no library crate depends on this one. `bindgen` is built with its `runtime`
 //! feature, so libclang is opened with `dlopen` when the check runs, never at build time:

@@ -7,9 +7,10 @@
 //!
 //! Capability names: `rdma` (an RDMA device with an active port), `verbs-headers`
 //! (infiniband/verbs.h and a C compiler), `libclang`, `vgem` (a DMA-BUF exporter),
-//! `libibverbs` (the library itself), `examples` (the example binaries built next to the
-//! test binaries), `cc` (a C compiler for stand-in drivers), `gpu` (a CUDA driver and GPU;
-//! `NVLINK_P2P_REQUIRE_GPU=1` requires it too), `no-gpu` (a machine without one).
+//! `libibverbs` (the library itself), `librdmacm` (the rdma_cm library), `examples` (the
+//! example binaries built next to the test binaries), `cc` (a C compiler for stand-in
+//! drivers), `gpu` (a CUDA driver and GPU; `NVLINK_P2P_REQUIRE_GPU=1` requires it too),
+//! `no-gpu` (a machine without one).
 
 /// Says why a test did not run — `skipped: <why> [lacks <capability>] [<test>]`, past
 /// libtest's output capture so that `cargo test` shows it — or, where `FABRIC_REQUIRE` names

@@ -183,7 +183,7 @@ mod tests {
         match CmLib::load_from(LIBRARY) {
             // every entry point resolved by its versioned symbol
             Ok(lib) => assert!(lib.get_cm_event as usize != 0),
-            Err(e) => skip!("{LIBRARY} not installed ({e})"),
+            Err(e) => skip!("librdmacm", "{LIBRARY} not installed ({e})"),
         }
     }
 }

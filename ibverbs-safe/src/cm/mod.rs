@@ -189,13 +189,17 @@ impl Channel {
     fn take(&self, ev: *mut rdma_cm_event) -> RawEvent {
         // SAFETY: `ev` is a live event from rdma_get_cm_event, not yet acknowledged.
         let e = unsafe { &*ev };
-        let len = e.conn.private_data_len as usize;
-        let private_data = if e.conn.private_data.is_null() || len == 0 {
+        // SAFETY: every id of this crate is in the connected (TCP) port space, for which
+        // librdmacm fills `param.conn`; its fields are integers and a pointer, valid for any
+        // bit pattern, and the pointer is only followed below when non-null.
+        let conn = unsafe { e.param.conn };
+        let len = conn.private_data_len as usize;
+        let private_data = if conn.private_data.is_null() || len == 0 {
             Vec::new()
         } else {
             // SAFETY: librdmacm points `private_data` at `private_data_len` bytes inside the
             // event, valid until the event is acknowledged (below).
-            unsafe { std::slice::from_raw_parts(e.conn.private_data.cast::<u8>(), len) }.to_vec()
+            unsafe { std::slice::from_raw_parts(conn.private_data.cast::<u8>(), len) }.to_vec()
         };
         let raw = RawEvent {
             kind: e.event,
@@ -206,8 +210,8 @@ impl Channel {
                 std::ptr::null_mut()
             },
             private_data,
-            responder_resources: e.conn.responder_resources,
-            initiator_depth: e.conn.initiator_depth,
+            responder_resources: conn.responder_resources,
+            initiator_depth: conn.initiator_depth,
         };
         // SAFETY: acknowledged exactly once; nothing borrowed from it outlives this call.
         let rc = unsafe { (self.lib.ack_cm_event)(ev) };
@@ -1306,13 +1310,16 @@ mod tests {
         let mut id = match CmId::new() {
             Ok(id) => id,
             Err(e) => {
-                skip!("rdma_cm unavailable here ({e})");
+                skip!("rdma", "rdma_cm unavailable here ({e})");
                 return;
             }
         };
         match id.resolve("127.0.0.1:7174".parse().unwrap(), Duration::from_secs(2)) {
             Err(Error::Cm(CmError::NoDeviceForAddress { .. } | CmError::Resolve { .. })) => {}
-            Ok(()) => skip!("127.0.0.1 resolved to an RDMA device (rxe on lo)"),
+            Ok(()) => skip!(
+                "loopback-without-rdma",
+                "127.0.0.1 resolved to an RDMA device (rxe on lo)"
+            ),
             Err(e) => panic!("unexpected error {e}"),
         }
     }

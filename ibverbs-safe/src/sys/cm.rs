@@ -15,7 +15,7 @@ pub struct rdma_event_channel {
 }
 
 /// Prefix of `struct rdma_cm_id`: `verbs`, `channel`, `context`, `qp` (the `route`, `ps`,
-/// `port_num`, ... that follow are not read).
+/// `port_num`, ... that follow are not read; they are listed in `sys::OMITTED_FIELDS`).
 #[repr(C)]
 #[derive(Debug)]
 pub struct rdma_cm_id {
@@ -40,8 +40,7 @@ pub struct rdma_conn_param {
     pub qp_num: u32,
 }
 
-/// Prefix of `struct rdma_cm_event`: `id`, `listen_id`, `event`, `status` and the
-/// `param.conn` member of the parameter union (the `ud` member is never read).
+/// `struct rdma_cm_event` (whole: librdmacm allocates it, we read `param.conn` only).
 #[repr(C)]
 #[derive(Debug)]
 pub struct rdma_cm_event {
@@ -49,7 +48,25 @@ pub struct rdma_cm_event {
     pub listen_id: *mut rdma_cm_id,
     pub event: u32,
     pub status: c_int,
+    pub param: rdma_cm_event_param,
+}
+
+/// The `param` union of `struct rdma_cm_event`: `conn` for connected (port space TCP) ids,
+/// which are the only ones this crate creates; `ud` for UD ids, never read.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub union rdma_cm_event_param {
     pub conn: rdma_conn_param,
+    /// `struct rdma_ud_param` (56 bytes on LP64), never read.
+    ///
+    /// C field: `ud`
+    pub _ud: [u64; 7],
+}
+
+impl std::fmt::Debug for rdma_cm_event_param {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("rdma_cm_event_param { .. }")
+    }
 }
 
 /// `enum rdma_port_space`: reliable-connected, TCP-like port space.
@@ -78,8 +95,8 @@ mod tests {
     use super::*;
     use std::mem::{offset_of, size_of};
 
-    // x86_64/aarch64 LP64 layout of rdma_cma.h (librdmacm-dev is not needed to build, so
-    // these are checked by hand against the header's declarations).
+    // x86_64/aarch64 LP64 layout of rdma_cma.h, by hand, for machines without the header;
+    // `ffi-check/` proves every field against the installed header with bindgen.
     #[test]
     fn conn_param_and_event_prefix_match_the_header_layout() {
         assert_eq!(size_of::<rdma_conn_param>(), 24);
@@ -88,7 +105,9 @@ mod tests {
         assert_eq!(offset_of!(rdma_conn_param, qp_num), 16);
         assert_eq!(offset_of!(rdma_cm_event, event), 16);
         assert_eq!(offset_of!(rdma_cm_event, status), 20);
-        assert_eq!(offset_of!(rdma_cm_event, conn), 24);
+        assert_eq!(offset_of!(rdma_cm_event, param), 24);
+        assert_eq!(size_of::<rdma_cm_event_param>(), 56);
+        assert_eq!(size_of::<rdma_cm_event>(), 80);
         assert_eq!(offset_of!(rdma_cm_id, qp), 24);
     }
 }
