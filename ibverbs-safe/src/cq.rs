@@ -3,12 +3,13 @@
 
 use crate::context::Context;
 use crate::error::{last_os_error, rc_error, Error, Result, WcStatus};
-use crate::inflight::{QueueKind, SgList, WorkQueue};
+use crate::inflight::{QueueKind, SgList, Sweep, WorkQueue};
 use crate::mr::MrSlice;
 use crate::result::{ops, record_drop_failure};
 use crate::sys::{self, ibv_comp_channel, ibv_cq, ibv_wc};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -165,10 +166,14 @@ pub(crate) struct CqInner {
     pub(crate) ctx: Context,
     pub(crate) cq: *mut ibv_cq,
     _channel: Option<Arc<ChannelInner>>,
-    /// Slot tables of every work queue that reports to this CQ. Kept until the CQ is
-    /// destroyed, so a completion's `wr_id` always points at live memory (even a late,
-    /// flushed completion of a QP that is already gone).
+    /// Slot tables of every work queue that reports to this CQ. A table stays here until its
+    /// queue was destroyed *and* a poll that started after that found the CQ empty, so a
+    /// completion's `wr_id` always points at live memory (even a late, flushed completion of
+    /// a QP that is already gone).
     attached: Mutex<Vec<Arc<WorkQueue>>>,
+    /// How many attached queues were retired (destroyed) so far; each retired queue records
+    /// its number in `WorkQueue::retired_at`.
+    retired: AtomicUsize,
 }
 
 // SAFETY: CQs are thread-safe verbs objects; `attached` is behind a Mutex.
@@ -182,6 +187,42 @@ impl CqInner {
         if !v.iter().any(|q| Arc::ptr_eq(q, wq)) {
             v.push(wq.clone());
         }
+    }
+
+    /// Marks `wq` (attached here) as destroyed: the device makes no new completion for it.
+    /// Its table is detached by the poller once no completion can still name it.
+    pub(crate) fn retire(&self, wq: &Arc<WorkQueue>) {
+        let _v = self.attached.lock().unwrap_or_else(|e| e.into_inner());
+        if wq.retired_at.load(Ordering::Relaxed) != 0 {
+            return;
+        }
+        let seq = self.retired.load(Ordering::Relaxed) + 1;
+        wq.retired_at.store(seq, Ordering::Relaxed);
+        self.retired.store(seq, Ordering::Release);
+    }
+
+    /// Detaches the queues retired up to number `upto`: called by the single poller after a
+    /// poll that began after it read `upto` (so after those queues' destruction) found the
+    /// CQ empty, so no completion naming their slots is left.
+    #[cold]
+    #[inline(never)]
+    fn detach_retired(&self, upto: usize) {
+        let mut v = self.attached.lock().unwrap_or_else(|e| e.into_inner());
+        v.retain(|q| {
+            let r = q.retired_at.load(Ordering::Relaxed);
+            r == 0 || r > upto
+        });
+    }
+}
+
+#[cfg(test)]
+impl CqInner {
+    /// Number of slot tables attached.
+    pub(crate) fn attached_len(&self) -> usize {
+        self.attached
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .len()
     }
 }
 
@@ -205,6 +246,11 @@ pub struct CompletionQueue {
     /// Completions of other work that a [`QueuePair::scope`](crate::QueuePair::scope) polled
     /// while waiting for its own; handed out first by the next [`poll`](Self::poll).
     pub(crate) stash: std::collections::VecDeque<Completion>,
+    /// Raw completions taken from the device but not yet handed out, because a buffer's
+    /// drop panicked in the middle of a poll: handled first by the next poll.
+    pending: std::collections::VecDeque<ibv_wc>,
+    /// Retired queues up to this number are detached already.
+    detached_upto: usize,
 }
 
 impl std::fmt::Debug for CompletionQueue {
@@ -371,32 +417,61 @@ impl Completion {
         self.bufs.take().into_first()
     }
 
-    #[inline]
-    fn fill(&mut self, wc: &ibv_wc) {
+    /// Drops the buffers an earlier poll left here. Done before a slot is claimed, so a
+    /// panicking drop leaves the completion unconsumed (it is retried), not a slot claimed.
+    #[inline(always)]
+    fn clear_bufs(&mut self) {
+        if !self.bufs.is_empty() {
+            drop(self.bufs.take());
+        }
+    }
+
+    /// Takes `wc` in; its buffers must have been cleared ([`clear_bufs`](Self::clear_bufs)).
+    /// Returns the earlier slots the completion retired, to release once it is filled.
+    #[inline(always)]
+    fn fill(&mut self, wc: &ibv_wc) -> Option<Sweep> {
         self.wc = *wc;
         if wc.wr_id & 1 == 0 {
             // SAFETY: even wr_ids on queues created by this crate are slot addresses from
             // `WorkQueue::fill` (the raw layer only accepts odd ids); the slot's queue is
             // kept alive by the CQ's `attached` list; `&mut CompletionQueue` makes us the
-            // single poller.
-            let kind = unsafe {
+            // single poller. The closure only moves (our buffers are empty: nothing drops).
+            let r = unsafe {
                 WorkQueue::complete_with(wc.wr_id, |d| {
                     self.wr_id = d.user;
                     self.bufs.replace_with(&mut d.bufs);
                     self.scoped = d.scoped;
                 })
             };
-            if kind.is_some() {
-                self.queue = kind;
-                return;
+            if let Some((kind, sweep)) = r {
+                self.queue = Some(kind);
+                return Some(sweep);
             }
             self.wr_id = 0;
         } else {
             self.wr_id = wc.wr_id;
         }
-        self.bufs = SgList::new();
         self.queue = None;
         self.scoped = false;
+        None
+    }
+}
+
+/// The raw completions of one poll not handed out yet: kept for the next poll if a buffer's
+/// drop panics midway (only then does its `Drop` find any left).
+struct Unhanded<'a> {
+    pending: &'a mut std::collections::VecDeque<ibv_wc>,
+    wcs: *const ibv_wc,
+    next: usize,
+    n: usize,
+}
+
+impl Drop for Unhanded<'_> {
+    fn drop(&mut self) {
+        for i in self.next..self.n {
+            // SAFETY: the first `n` entries of `wcs` were initialised by the provider.
+            self.pending.push_back(unsafe { *self.wcs.add(i) });
+        }
     }
 }
 
@@ -424,8 +499,11 @@ impl CompletionQueue {
                 cq,
                 _channel: channel.map(|c| c.inner.clone()),
                 attached: Mutex::new(Vec::new()),
+                retired: AtomicUsize::new(0),
             }),
             stash: std::collections::VecDeque::new(),
+            pending: std::collections::VecDeque::new(),
+            detached_upto: 0,
         })
     }
 
@@ -443,21 +521,46 @@ impl CompletionQueue {
     /// Polls up to `out.len()` completions into `out`, returning how many were written.
     /// Buffers left in `out` entries from an earlier poll are dropped when overwritten.
     ///
+    /// If dropping such a buffer (or one of an earlier unsignalled work request that a
+    /// completion retires) panics, the panic propagates, and the completions already taken
+    /// from the device but not handed out are kept for the next poll: none is lost, and no
+    /// slot is left claimed.
+    ///
     /// # Errors
     /// [`Error::PollCq`] if the provider reports an error.
     #[inline]
     pub fn poll(&mut self, out: &mut [Completion]) -> Result<usize> {
-        const CHUNK: usize = 16;
         let mut done = 0;
         if !self.stash.is_empty() {
-            while done < out.len() {
-                match self.stash.pop_front() {
-                    Some(c) => out[done] = c,
-                    None => break,
-                }
-                done += 1;
-            }
+            done = self.poll_stash(out);
         }
+        self.poll_device(out, done)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn poll_stash(&mut self, out: &mut [Completion]) -> usize {
+        let mut done = 0;
+        while done < out.len() {
+            match self.stash.pop_front() {
+                Some(c) => out[done] = c,
+                None => break,
+            }
+            done += 1;
+        }
+        done
+    }
+
+    /// Fills `out[done..]` from the completions a panic left pending, then from the device
+    /// (not from the stash); returns the new `done`.
+    #[inline]
+    pub(crate) fn poll_device(&mut self, out: &mut [Completion], mut done: usize) -> Result<usize> {
+        const CHUNK: usize = 16;
+        if !self.pending.is_empty() {
+            done = self.poll_pending(out, done);
+        }
+        // Queues retired before this point were destroyed before the poll below begins.
+        let retired = self.inner.retired.load(Ordering::Acquire);
         let mut wcs = [MaybeUninit::<ibv_wc>::uninit(); CHUNK];
         while done < out.len() {
             let want = (out.len() - done).min(CHUNK);
@@ -467,16 +570,53 @@ impl CompletionQueue {
                 return Err(Error::PollCq(rc_error(n)));
             }
             let n = (n as usize).min(want);
+            let mut left = Unhanded {
+                pending: &mut self.pending,
+                wcs: wcs.as_ptr().cast(),
+                next: 0,
+                n,
+            };
             for (o, wc) in out[done..done + n].iter_mut().zip(&wcs[..n]) {
+                o.clear_bufs();
                 // SAFETY: the provider initialised the first `n` entries.
-                o.fill(unsafe { wc.assume_init_ref() });
+                let sweep = o.fill(unsafe { wc.assume_init_ref() });
+                left.next += 1;
+                if let Some(s) = sweep {
+                    s.run();
+                }
             }
+            drop(left);
             done += n;
             if n < want {
+                // The CQ was empty: no completion of a queue retired before this poll began
+                // is left in it.
+                if retired != self.detached_upto && self.pending.is_empty() {
+                    self.inner.detach_retired(retired);
+                    self.detached_upto = retired;
+                }
                 break;
             }
         }
         Ok(done)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn poll_pending(&mut self, out: &mut [Completion], mut done: usize) -> usize {
+        while done < out.len() {
+            let Some(wc) = self.pending.front().copied() else {
+                break;
+            };
+            let o = &mut out[done];
+            o.clear_bufs();
+            self.pending.pop_front();
+            let sweep = o.fill(&wc);
+            done += 1;
+            if let Some(s) = sweep {
+                s.run();
+            }
+        }
+        done
     }
 
     /// Busy-polls until at least one completion arrived (then returns what [`poll`](Self::poll)

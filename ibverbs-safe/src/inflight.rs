@@ -278,6 +278,9 @@ pub(crate) struct WorkQueue {
     /// poller of this queue's CQ).
     tail: AtomicUsize,
     dead: AtomicBool,
+    /// Set (to its CQ's retire sequence number) once the queue's QP is destroyed: the CQ
+    /// detaches the table after a poll that started later found the CQ empty.
+    pub(crate) retired_at: std::sync::atomic::AtomicUsize,
     pub(crate) kind: QueueKind,
 }
 
@@ -315,6 +318,7 @@ impl WorkQueue {
                 ordered,
                 tail: AtomicUsize::new(0),
                 dead: AtomicBool::new(false),
+                retired_at: std::sync::atomic::AtomicUsize::new(0),
                 kind,
             }
         })
@@ -404,7 +408,7 @@ impl WorkQueue {
     pub(crate) unsafe fn complete(wr_id: u64) -> Option<(SlotData, QueueKind)> {
         let mut out = None;
         // SAFETY: the caller's contract.
-        let kind = unsafe {
+        let (kind, sweep) = unsafe {
             Self::complete_with(wr_id, |d| {
                 out = Some(SlotData {
                     bufs: d.bufs.take(),
@@ -414,19 +418,25 @@ impl WorkQueue {
                 })
             })
         }?;
+        sweep.run();
         out.map(|d| (d, kind))
     }
 
     /// As [`complete`](Self::complete), lending the slot's data to `f` in place (the hot
     /// path moves the buffers straight into a `Completion`); what `f` leaves is dropped.
+    /// The earlier unsignalled slots this completion retires are returned as a [`Sweep`]
+    /// to [`run`](Sweep::run) once the slot itself is free again: `f` and the drop of what
+    /// it left must not panic (the caller moves the buffers out and drops nothing), while
+    /// the sweep's drops may.
     ///
     /// # Safety
-    /// As [`complete`](Self::complete).
+    /// As [`complete`](Self::complete), and the returned sweep must be run (or dropped)
+    /// before the next completion of the same queue is handled.
     #[inline(always)]
     pub(crate) unsafe fn complete_with(
         wr_id: u64,
         f: impl FnOnce(&mut SlotData),
-    ) -> Option<QueueKind> {
+    ) -> Option<(QueueKind, Sweep)> {
         // SAFETY: contract: the slot and its queue are alive.
         let slot = unsafe { &*(wr_id as *const Slot) };
         // SAFETY: `queue` points at the WorkQueue owning this slot (set at construction).
@@ -448,19 +458,23 @@ impl WorkQueue {
             }
         });
         slot.state.store(FREE, Ordering::Release);
+        let mut sweep = Sweep {
+            q: slot.queue,
+            from: 0,
+            to: 0,
+        };
         if q.ordered {
             let n = q.slots.len();
-            let mut i = q.tail.load(Ordering::Relaxed);
             let end = slot.index as usize;
-            while i != end {
-                // Earlier unsignalled work requests are complete too: release their buffers.
-                drop(Self::take(&q.slots[i]));
-                i = if i + 1 == n { 0 } else { i + 1 };
-            }
+            // The tail moves past this slot *before* any earlier buffer is dropped: should
+            // one of those drops panic, no later completion sweeps from a stale tail into
+            // slots reused for newer, running work requests.
+            sweep.from = q.tail.load(Ordering::Relaxed);
+            sweep.to = end;
             q.tail
                 .store(if end + 1 == n { 0 } else { end + 1 }, Ordering::Relaxed);
         }
-        Some(q.kind)
+        Some((q.kind, sweep))
     }
 
     /// Releases every in-flight slot (after the QP/SRQ was destroyed: the device no longer
@@ -476,6 +490,66 @@ impl WorkQueue {
             .iter()
             .filter(|s| s.state.load(Ordering::Acquire) != FREE)
             .count()
+    }
+}
+
+/// The earlier, unsignalled slots of a ring that a completion retired (their work requests
+/// completed before it): released by [`run`](Self::run).
+#[must_use]
+pub(crate) struct Sweep {
+    q: *const WorkQueue,
+    from: usize,
+    to: usize,
+}
+
+impl Sweep {
+    /// Drops the buffers of the retired slots. If one of those drops panics, the slots not
+    /// yet released are still freed for reuse, their data leaked (never dropped twice,
+    /// never left claimed), and the panic goes on.
+    #[inline(always)]
+    pub(crate) fn run(self) {
+        if self.from != self.to {
+            self.run_slow();
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn run_slow(self) {
+        // SAFETY: the sweep was made by `complete_with` for a live queue, and is run by that
+        // queue's single poller before its next completion.
+        let q = unsafe { &*self.q };
+        let n = q.slots.len();
+        struct Rest<'a> {
+            q: &'a WorkQueue,
+            i: usize,
+            to: usize,
+            n: usize,
+        }
+        impl Drop for Rest<'_> {
+            fn drop(&mut self) {
+                // Reached with slots left only when a drop below panicked: free the slots,
+                // leak what they held (dropping more now could panic during unwinding).
+                while self.i != self.to {
+                    if let Some(d) = WorkQueue::take(&self.q.slots[self.i]) {
+                        std::mem::forget(d);
+                    }
+                    self.i = if self.i + 1 == self.n { 0 } else { self.i + 1 };
+                }
+            }
+        }
+        let mut rest = Rest {
+            q,
+            i: self.from,
+            to: self.to,
+            n,
+        };
+        while rest.i != rest.to {
+            let d = WorkQueue::take(&q.slots[rest.i]);
+            rest.i = if rest.i + 1 == n { 0 } else { rest.i + 1 };
+            // Earlier unsignalled work requests are complete too: release their buffers.
+            drop(d);
+        }
     }
 }
 
@@ -567,8 +641,10 @@ impl SlotTable {
         let mut got = None;
         // SAFETY: the id names a slot of `self.q`, alive while `self` is; `&mut self` makes
         // this the table's single poller.
-        unsafe {
-            WorkQueue::complete_with(slot as *const Slot as u64, |d| got = Some(d.user));
+        if let Some((_, sweep)) =
+            unsafe { WorkQueue::complete_with(slot as *const Slot as u64, |d| got = Some(d.user)) }
+        {
+            sweep.run();
         }
         let swept = before
             .iter()

@@ -205,6 +205,10 @@ mod cq;
 mod device;
 mod dmabuf;
 mod error;
+#[cfg(test)]
+mod fake;
+#[cfg(test)]
+mod fault_tests;
 mod gid;
 mod inflight;
 mod loader;

@@ -389,8 +389,10 @@ impl<B: RegionBuffer, A: AccessMode> MemoryRegion<B, A> {
     /// Deregisters and returns the buffer, when no handle is outstanding.
     ///
     /// # Errors
-    /// Gives `self` back while [`MrSlice`] handles (or posted work requests) are alive.
-    pub fn into_inner(self) -> std::result::Result<B, Self> {
+    /// Gives `self` back with [`Error::RegionBusy`] while [`MrSlice`] handles (or posted
+    /// work requests) are alive.
+    pub fn into_inner(self) -> std::result::Result<B, (Error, Self)> {
+        let n = self.outstanding();
         match Arc::try_unwrap(self.inner) {
             Ok(mut inner) => {
                 inner.dereg();
@@ -401,10 +403,13 @@ impl<B: RegionBuffer, A: AccessMode> MemoryRegion<B, A> {
                     .expect("buffer present until into_inner");
                 Ok(*b.downcast::<B>().expect("a MemoryRegion<B> holds a B"))
             }
-            Err(inner) => Err(MemoryRegion {
-                inner,
-                _a: PhantomData,
-            }),
+            Err(inner) => Err((
+                Error::RegionBusy(n),
+                MemoryRegion {
+                    inner,
+                    _a: PhantomData,
+                },
+            )),
         }
     }
 }

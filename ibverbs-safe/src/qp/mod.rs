@@ -454,8 +454,10 @@ impl Drop for QpCore {
             return;
         }
         self.sq.release_all();
+        self._send_cq.retire(&self.sq);
         if let Some(rq) = &self.rq {
             rq.release_all();
+            self._recv_cq.retire(rq);
         }
     }
 }
@@ -840,9 +842,9 @@ impl CompletionQueue {
     /// Polls raw work completions (no buffer hand-back): for work posted with the raw layer.
     ///
     /// Completions kept back by a [`QueuePair::scope`] are not returned here (only by
-    /// [`poll`](Self::poll)). Completions of work requests posted through the safe API should
-    /// not be polled this way: their buffers then stay in flight until a later completion of the same queue
-    /// retires them or the QP is dropped (sound, but the queue fills up).
+    /// [`poll`](Self::poll)). A completion of a work request posted through the safe API
+    /// that is polled this way releases that request's buffers (they are dropped, not handed
+    /// back) and its slot, so nothing stays in flight.
     ///
     /// # Errors
     /// [`Error::PollCq`].
@@ -859,8 +861,31 @@ impl CompletionQueue {
         if n < 0 {
             return Err(Error::PollCq(rc_error(n)));
         }
-        Ok(n as usize)
+        let n = (n as usize).min(out.len());
+        for wc in &out[..n] {
+            if wc.wr_id & 1 == 0 {
+                release_slot(wc.wr_id);
+            }
+        }
+        Ok(n)
     }
+}
+
+/// Releases the safe-layer slot named by a raw-polled completion (dropping its buffers).
+#[cold]
+#[inline(never)]
+fn release_slot(wr_id: u64) {
+    // The buffers are moved out of the claimed slot and dropped after it is free again.
+    let mut bufs = SgList::new();
+    // SAFETY: even wr_ids are slot addresses of queues attached to the polling CQ, which
+    // keeps them alive; `&mut CompletionQueue` makes the caller the single poller.
+    let r = unsafe {
+        crate::inflight::WorkQueue::complete_with(wr_id, |d| bufs.replace_with(&mut d.bufs))
+    };
+    if let Some((_, sweep)) = r {
+        sweep.run();
+    }
+    drop(bufs);
 }
 
 /// Refuses a raw work-request chain holding an even `wr_id`: even ids are the safe layer's

@@ -216,40 +216,57 @@ impl<'scope, 'env, T: Transport> Scope<'scope, 'env, T> {
         }
     }
 
-    /// Waits until nothing of this scope is outstanding (see [`QueuePair::scope`]).
-    fn wait(&mut self, timeout: Duration) -> Result<bool> {
+    /// Polls the device CQ (not the stash, which holds no completion of this scope) until
+    /// nothing of this scope is outstanding; other completions are stashed for the next
+    /// [`CompletionQueue::poll`]. The deadline is checked every round, and a failing poll
+    /// is retried until it passes. `Err` (with the first poll error, if any) when work is
+    /// still outstanding at the deadline.
+    fn wait(&mut self, timeout: Duration) -> std::result::Result<(), Option<Error>> {
         let start = Instant::now();
         let mut buf: [Completion; 8] = Default::default();
+        let mut first_err = None;
         while self.outstanding > 0 {
-            let n = self.cq.poll(&mut buf)?;
+            let n = match self.cq.poll_device(&mut buf, 0) {
+                Ok(n) => n,
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                    0
+                }
+            };
             for c in &mut buf[..n] {
                 if !self.count(c) {
                     self.cq.stash.push_back(std::mem::take(c));
                 }
             }
+            if self.outstanding == 0 {
+                break;
+            }
+            if start.elapsed() > timeout {
+                return Err(first_err);
+            }
             if n == 0 {
-                if start.elapsed() > timeout {
-                    return Ok(false);
-                }
                 std::thread::yield_now();
             }
         }
-        Ok(true)
+        Ok(())
     }
 
+    /// Ends the scope: on return nothing posted in it is outstanding. A wait that fails
+    /// (timeout, or polls that keep failing) moves the QP to ERR, which flushes the rest,
+    /// and waits again; failing even that, the process aborts.
     fn finish(&mut self) -> Result<()> {
-        if !self.wait(self.timeout)? {
+        if let Err(cause) = self.wait(self.timeout) {
             // Flush what is left, then wait for the flush completions.
             let mut a = ibv_qp_attr {
                 qp_state: sys::IBV_QPS_ERR,
                 ..Default::default()
             };
             let _ = self.qp.core.modify(&mut a, sys::IBV_QP_STATE, "ERR");
-            if !matches!(self.wait(self.timeout), Ok(true)) {
+            if self.wait(self.timeout).is_err() {
                 eprintln!("ibverbs-safe: scoped work requests never completed; aborting to keep borrowed memory safe");
                 std::process::abort();
             }
-            return Err(Error::Timeout(self.timeout));
+            return Err(cause.unwrap_or(Error::Timeout(self.timeout)));
         }
         match self.first_error.take() {
             Some(s) => Err(Error::Completion(s)),
