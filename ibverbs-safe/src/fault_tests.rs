@@ -345,6 +345,11 @@ fn objects_of_another_context_are_refused() {
     let mut other = pd2.alloc_region(64).unwrap();
     let e = rc.send(other.slice(..8).unwrap(), 1).unwrap_err();
     assert!(matches!(e.error, Error::ForeignObject(_)), "{e:?}");
+    let e = rc.post_recv(other.slice(..8).unwrap(), 2).unwrap_err();
+    assert!(matches!(e.error, Error::ForeignObject(_)), "{e:?}");
+    let mut cq1 = cq1;
+    let r = rc.scope(&mut cq1, Duration::from_secs(1), |s| s.send(&other, ..8, 3));
+    assert!(matches!(r, Ok(Err(Error::ForeignObject(_)))), "{r:?}");
     let e = rc
         .scope(
             &mut f1.ctx.create_cq(1).unwrap(),

@@ -142,16 +142,34 @@ impl SgList {
         self.as_slice().iter()
     }
 
-    /// Writes the scatter/gather elements; returns their number and total length.
+    /// Writes the scatter/gather elements; returns their number and total length, or
+    /// [`Error::ForeignObject`](crate::Error::ForeignObject) when a buffer is registered
+    /// in another protection domain than `pd` (its lkey means nothing there — or, on
+    /// another device, possibly another region of `pd`).
     #[inline]
-    pub(crate) fn encode(&self, sges: &mut [crate::sys::ibv_sge; MAX_SGE]) -> (usize, u64) {
+    pub(crate) fn encode(
+        &self,
+        sges: &mut [crate::sys::ibv_sge; MAX_SGE],
+        pd: *const crate::pd::PdInner,
+    ) -> crate::Result<(usize, u64)> {
         let items = self.as_slice();
         let mut total = 0u64;
+        let mut foreign = false;
         for (sge, s) in sges.iter_mut().zip(items) {
             *sge = s.sge();
             total += s.len() as u64;
+            foreign |= !std::ptr::eq(Arc::as_ptr(&s.owner.pd.inner), pd);
         }
-        (items.len(), total)
+        if foreign {
+            return Err(crate::Error::ForeignObject("a buffer of the work request"));
+        }
+        Ok((items.len(), total))
+    }
+
+    /// Whether every buffer is host memory the CPU may read (not device memory).
+    #[inline]
+    pub(crate) fn all_host(&self) -> bool {
+        self.iter().all(|s| s.owner.host)
     }
 
     /// The first buffer.

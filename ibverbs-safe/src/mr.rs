@@ -325,6 +325,12 @@ impl<B: RegionBuffer, A: AccessMode> MemoryRegion<B, A> {
         })
     }
 
+    /// The registration's PD, for identity checks.
+    #[inline]
+    pub(crate) fn pd_ptr(&self) -> *const crate::pd::PdInner {
+        Arc::as_ptr(&self.inner.pd.inner)
+    }
+
     /// The scatter/gather element of `range` (for scoped, borrowing work requests).
     #[inline]
     pub(crate) fn sge_of(&self, range: impl RangeBounds<usize>) -> Result<sys::ibv_sge> {

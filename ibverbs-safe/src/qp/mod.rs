@@ -279,6 +279,21 @@ impl<'a> QpBuilder<'a> {
     /// [`Error::QueryPort`], [`Error::QueryGid`], [`Error::CreateQp`], [`Error::ModifyQp`].
     pub fn build<T: Transport>(self) -> Result<PreparedQp<T>> {
         let ctx = self.pd.context();
+        // The kernel resolves the CQ and SRQ handles in the PD's context: objects of another
+        // context would name different objects there (or none), and the QP would report to
+        // a CQ other than the one whose slot tables track it.
+        let same = |c: &crate::context::Context| Arc::ptr_eq(&c.inner, &ctx.inner);
+        if !same(&self.send_cq.inner.ctx) {
+            return Err(Error::ForeignObject("the send CQ"));
+        }
+        if !same(&self.recv_cq.inner.ctx) {
+            return Err(Error::ForeignObject("the receive CQ"));
+        }
+        if let Some(srq) = self.srq {
+            if !same(&srq.inner.pd.inner.ctx) {
+                return Err(Error::ForeignObject("the shared receive queue"));
+            }
+        }
         let port = ctx.query_port(self.p.port)?;
         let gid_index = match (self.p.gid_index, port.link_layer) {
             (Some(i), _) => Some(i),
@@ -407,7 +422,7 @@ fn random_psn(qpn: u32) -> u32 {
 
 /// The state shared by every typestate of a QP; owns the verbs QP and its slot tables.
 pub(crate) struct QpCore {
-    pd: ProtectionDomain,
+    pub(crate) pd: ProtectionDomain,
     pub(crate) qp: *mut ibv_qp,
     _send_cq: Arc<CqInner>,
     _recv_cq: Arc<CqInner>,
@@ -476,7 +491,15 @@ impl QpCore {
                 request: bufs,
             });
         }
-        let (mut sges, n) = recv_sges(&bufs);
+        let (mut sges, n) = match recv_sges(&bufs, &self.pd) {
+            Ok(x) => x,
+            Err(error) => {
+                return Err(PostError {
+                    error,
+                    request: bufs,
+                })
+            }
+        };
         let id = match rq.fill(
             &mut self.rq_head,
             SlotData {

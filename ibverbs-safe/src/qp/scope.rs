@@ -89,11 +89,21 @@ impl<T: Transport> QueuePair<T> {
 
 impl<'scope, 'env, T: Transport> Scope<'scope, 'env, T> {
     #[inline]
-    fn post(&mut self, req: SendRequest, sge: ibv_sge, wr_id: u64) -> Result<()> {
+    fn post(
+        &mut self,
+        req: SendRequest,
+        sge: ibv_sge,
+        mr_pd: *const crate::pd::PdInner,
+        wr_id: u64,
+    ) -> Result<()> {
         let core = &mut self.qp.core;
         let mut sges = [ibv_sge::default(); MAX_SGE];
         let mut wr = super::request::blank_wr();
-        req.encode::<T>(core.max_send_sge, core.max_inline, &mut wr, &mut sges)?;
+        let pd = std::sync::Arc::as_ptr(&core.pd.inner);
+        req.encode::<T>(core.max_send_sge, core.max_inline, pd, &mut wr, &mut sges)?;
+        if !std::ptr::eq(pd, mr_pd) {
+            return Err(Error::ForeignObject("the borrowed region"));
+        }
         if let Some(r) = req.remote_len() {
             if sge.length as u64 > r {
                 return Err(Error::OutOfBounds {
@@ -149,7 +159,7 @@ impl<'scope, 'env, T: Transport> Scope<'scope, 'env, T> {
         wr_id: u64,
     ) -> Result<()> {
         let sge = mr.sge_of(range)?;
-        self.post(SendRequest::send(SgList::new()), sge, wr_id)
+        self.post(SendRequest::send(SgList::new()), sge, mr.pd_ptr(), wr_id)
     }
 
     /// RDMA WRITE `range` of a borrowed region to `remote`.
@@ -165,7 +175,12 @@ impl<'scope, 'env, T: Transport> Scope<'scope, 'env, T> {
         wr_id: u64,
     ) -> Result<()> {
         let sge = mr.sge_of(range)?;
-        self.post(SendRequest::write(SgList::new(), remote), sge, wr_id)
+        self.post(
+            SendRequest::write(SgList::new(), remote),
+            sge,
+            mr.pd_ptr(),
+            wr_id,
+        )
     }
 
     /// RDMA READ `remote` into `range` of an exclusively borrowed local region.
@@ -181,7 +196,12 @@ impl<'scope, 'env, T: Transport> Scope<'scope, 'env, T> {
         wr_id: u64,
     ) -> Result<()> {
         let sge = mr.sge_of(range)?;
-        self.post(SendRequest::read(SgList::new(), remote), sge, wr_id)
+        self.post(
+            SendRequest::read(SgList::new(), remote),
+            sge,
+            mr.pd_ptr(),
+            wr_id,
+        )
     }
 
     /// Work requests of this scope not completed yet.
