@@ -88,23 +88,22 @@ unsafe impl Send for MrInner {}
 unsafe impl Sync for MrInner {}
 
 impl MrInner {
-    /// Deregisters (once); `false` if `ibv_dereg_mr` failed, in which case the device may
-    /// still reach the memory.
-    pub(crate) fn dereg(&mut self) -> bool {
+    /// Deregisters (once). On failure the registration is kept (the device may still reach
+    /// the memory through its keys), so the caller must neither free nor lend the memory.
+    pub(crate) fn dereg(&mut self) -> std::io::Result<()> {
         if self.mr.is_null() {
-            return true;
+            return Ok(());
         }
         // SAFETY: `mr` came from ibv_reg_mr/ibv_reg_dmabuf_mr and is deregistered exactly
-        // once; no work request can still use it (each holds an Arc to this struct).
+        // once (nulled only on success); no work request can still use it (each holds an
+        // Arc to this struct).
         let rc = unsafe { (self.pd.inner.ctx.inner.v.dereg_mr)(self.mr) };
-        self.mr = std::ptr::null_mut();
         if rc != 0 {
-            record_drop_failure("ibv_dereg_mr", rc);
-            false
-        } else {
-            DEREGISTRATIONS.fetch_add(1, Ordering::SeqCst);
-            true
+            return Err(crate::error::rc_error(rc));
         }
+        self.mr = std::ptr::null_mut();
+        DEREGISTRATIONS.fetch_add(1, Ordering::SeqCst);
+        Ok(())
     }
 }
 
@@ -113,7 +112,8 @@ impl Drop for MrInner {
         // Deregister first: only then may the buffer (or device-memory owner, dropped after
         // this as the `buf` field) be freed. If deregistration failed, the device may still
         // reach the memory: leak it rather than free it.
-        if !self.dereg() {
+        if let Err(e) = self.dereg() {
+            record_drop_failure("ibv_dereg_mr", e.raw_os_error().unwrap_or(libc::EIO));
             if let Some(b) = self.buf.get_mut().take() {
                 std::mem::forget(b);
             }
@@ -396,12 +396,23 @@ impl<B: RegionBuffer, A: AccessMode> MemoryRegion<B, A> {
     ///
     /// # Errors
     /// Gives `self` back with [`Error::RegionBusy`] while [`MrSlice`] handles (or posted
-    /// work requests) are alive.
+    /// work requests) are alive, or with [`Error::DeregMr`] if `ibv_dereg_mr` fails (the
+    /// region stays registered; dropping it tries again, and leaks the buffer rather than
+    /// free it if that fails too).
     pub fn into_inner(self) -> std::result::Result<B, (Error, Self)> {
         let n = self.outstanding();
         match Arc::try_unwrap(self.inner) {
             Ok(mut inner) => {
-                inner.dereg();
+                if let Err(e) = inner.dereg() {
+                    // Still registered: the buffer stays inside, and the region with it.
+                    return Err((
+                        Error::DeregMr(e),
+                        MemoryRegion {
+                            inner: Arc::new(inner),
+                            _a: PhantomData,
+                        },
+                    ));
+                }
                 let b = inner
                     .buf
                     .get_mut()
@@ -510,8 +521,10 @@ impl<B: RegionBuffer> MemoryRegion<B, Remote> {
     /// region whose bytes can be borrowed. The rkey stops working; the lkey changes.
     ///
     /// # Errors
-    /// Gives `self` back with [`Error::RegionBusy`] while handles are outstanding, or with
-    /// [`Error::RegMr`] if the new registration fails (the old one stays valid).
+    /// Gives `self` back with [`Error::RegionBusy`] while handles are outstanding, with
+    /// [`Error::RegMr`] if the new registration fails, or with [`Error::DeregMr`] if the
+    /// remote registration cannot be deregistered (the region stays remote: the old rkey
+    /// may still work).
     pub fn close_remote_access(
         mut self,
     ) -> std::result::Result<MemoryRegion<B, Local>, (Error, Self)> {
@@ -538,7 +551,16 @@ impl<B: RegionBuffer> MemoryRegion<B, Remote> {
             };
             return Err((e, self));
         }
-        inner.dereg();
+        if let Err(e) = inner.dereg() {
+            // The old rkey may still work: stay remote, and undo the local registration.
+            // SAFETY: `mr` was registered just now and nothing uses it.
+            let rc = unsafe { (inner.pd.inner.ctx.inner.v.dereg_mr)(mr) };
+            if rc != 0 {
+                // Leaked: its lkey was never handed out, so no work request can use it.
+                record_drop_failure("ibv_dereg_mr", rc);
+            }
+            return Err((Error::DeregMr(e), self));
+        }
         inner.mr = mr;
         inner.access = access;
         // SAFETY: `mr` is a valid ibv_mr returned just now.
