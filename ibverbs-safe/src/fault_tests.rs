@@ -1,5 +1,6 @@
 //! Provider faults and misuse, driven through the crate's normal code paths on the fake
 //! provider ([`crate::fake`]): no device needed, and Miri runs them (ci/hardening.sh).
+#![allow(unsafe_code)]
 use crate::fake::{Fake, PostSendMode, WC_FLUSH};
 use crate::*;
 use std::os::fd::AsFd;
@@ -501,4 +502,79 @@ fn post_batch_with_a_bad_wr_naming_nothing_keeps_the_buffers() {
     assert_eq!(batch.len(), 1);
     assert_eq!(f.sends_on_device(qpn), 1);
     let _ = WC_FLUSH;
+}
+
+/// A region whose first byte is 3 bytes past an 8-aligned address (so its first word
+/// straddles its start).
+struct Offset3(AlignedBuffer);
+// SAFETY: a sub-range of an AlignedBuffer's stable, initialised heap storage.
+unsafe impl RegionBuffer for Offset3 {
+    fn as_mut_ptr(&mut self) -> *mut u8 {
+        // SAFETY: the buffer is 64 bytes long.
+        unsafe { self.0.as_mut_ptr().add(3) }
+    }
+    fn len(&self) -> usize {
+        self.0.len() - 3
+    }
+}
+
+/// Hole 7: every byte of a region is accessed by the CPU with one access width only, so
+/// copies and word accesses through different handles never race as mixed-size atomics.
+#[test]
+fn every_byte_is_accessed_with_a_single_width() {
+    let f = Fake::new();
+    let pd = f.ctx.alloc_pd().unwrap();
+    let aligned = pd
+        .register_remote(AlignedBuffer::new(64).unwrap(), RemoteAccess::WRITE)
+        .unwrap();
+    let mut offset = pd
+        .register_remote(
+            Offset3(AlignedBuffer::new(64).unwrap()),
+            RemoteAccess::WRITE,
+        )
+        .unwrap();
+    let mut aligned = aligned;
+    crate::mr::access_log::start();
+    for r in [&mut aligned as &mut dyn Access, &mut offset] {
+        r.run();
+    }
+    let log = crate::mr::access_log::take();
+    let mut width = std::collections::HashMap::new();
+    for (addr, w) in log {
+        for b in addr..addr + w {
+            let prev = *width.entry(b).or_insert(w);
+            assert_eq!(
+                prev, w,
+                "byte {b:#x} accessed with {prev}- and {w}-byte atomics"
+            );
+        }
+    }
+    // The copies still copy.
+    let mut back = [0u8; 8];
+    aligned.read_into(5, &mut back).unwrap();
+    assert_eq!(back, [9u8; 8]);
+    offset.read_into(0, &mut back).unwrap();
+    assert_eq!(&back[..5], &[9u8; 5]);
+}
+
+trait Access {
+    fn run(&mut self);
+}
+impl<B: RegionBuffer> Access for MemoryRegion<B, Remote> {
+    fn run(&mut self) {
+        let base = self.addr() as usize;
+        // Offsets of the first two whole 8-aligned words inside the region.
+        let w0 = (8 - base % 8) % 8;
+        self.write_u64(w0, 7).unwrap();
+        let _ = self.read_u64(w0 + 8).unwrap();
+        self.write_from(w0 + 5, &[9u8; 14]).unwrap();
+        self.write_from(0, &[9u8; 5]).unwrap();
+        let mut d = [0u8; 9];
+        self.read_into(w0 + 1, &mut d).unwrap();
+        let h = self.slice(..).unwrap();
+        let _ = h.read_u64(w0 + 16).unwrap();
+        h.write_from(w0 + 13, &[1u8; 6]).unwrap();
+        let mut d = [0u8; 3];
+        h.read_into(w0 + 22, &mut d).unwrap();
+    }
 }
