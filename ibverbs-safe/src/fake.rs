@@ -43,7 +43,6 @@ pub(crate) struct PostedSend {
     pub(crate) opcode: u32,
     pub(crate) flags: u32,
     pub(crate) sges: Vec<ibv_sge>,
-    pub(crate) ah: usize,
 }
 
 #[derive(Default)]
@@ -164,16 +163,6 @@ impl Fake {
         self.with(|s| s.qp_by_num(qpn).map_or(0, |q| q.sends.len()))
     }
 
-    /// Receives of QP `qpn` still on the device.
-    pub(crate) fn recvs_on_device(&self, qpn: u32) -> usize {
-        self.with(|s| s.qp_by_num(qpn).map_or(0, |q| q.recvs.len()))
-    }
-
-    /// Completions waiting in CQ `cq_id`.
-    pub(crate) fn cq_len(&self, cq_id: u64) -> usize {
-        self.with(|s| s.cqs.get(&(cq_id as usize)).map_or(0, |c| c.wcs.len()))
-    }
-
     /// The device finishes the next `n` send work requests of QP `qpn` with `status`
     /// (signalled ones produce a completion); returns how many completions it queued.
     pub(crate) fn complete_sends(&self, qpn: u32, n: usize, status: u32) -> usize {
@@ -219,17 +208,6 @@ impl Fake {
                 ..ibv_wc::default()
             };
             s.cqs.get_mut(&cq).expect("fake CQ").wcs.push_back(wc);
-        });
-    }
-
-    /// Queues a raw completion on CQ `cq_id`.
-    pub(crate) fn push_wc(&self, cq_id: u64, wc: ibv_wc) {
-        self.with(|s| {
-            s.cqs
-                .get_mut(&(cq_id as usize))
-                .expect("fake CQ")
-                .wcs
-                .push_back(wc)
         });
     }
 }
@@ -630,7 +608,7 @@ unsafe extern "C" fn post_send(
         let sges =
             // SAFETY: `sg_list` holds `num_sge` entries (the caller's contract).
             unsafe { std::slice::from_raw_parts(w.sg_list, w.num_sge.max(0) as usize) }.to_vec();
-        let ah = if qpt == IBV_QPT_UD {
+        if qpt == IBV_QPT_UD {
             // SAFETY: UD work requests carry the `ud` member.
             let ah = unsafe { w.wr.ud.ah };
             // SAFETY: address handles passed to post are live fake AHs (of some context).
@@ -638,16 +616,12 @@ unsafe extern "C" fn post_send(
                 s.foreign
                     .push("post_send: address handle of another context");
             }
-            ah as usize
-        } else {
-            0
-        };
+        }
         let p = PostedSend {
             wr_id: w.wr_id,
             opcode: w.opcode,
             flags: w.send_flags,
             sges,
-            ah,
         };
         s.log.push(p.clone());
         let auto = s.auto_complete;

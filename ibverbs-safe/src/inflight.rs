@@ -659,9 +659,9 @@ impl SlotTable {
         let mut got = None;
         // SAFETY: the id names a slot of `self.q`, alive while `self` is; `&mut self` makes
         // this the table's single poller.
-        if let Some((_, sweep)) =
-            unsafe { WorkQueue::complete_with(slot as *const Slot as u64, |d| got = Some(d.user)) }
-        {
+        let r =
+            unsafe { WorkQueue::complete_with(slot as *const Slot as u64, |d| got = Some(d.user)) };
+        if let Some((_, sweep)) = r {
             sweep.run();
         }
         let swept = before
