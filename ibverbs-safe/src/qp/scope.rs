@@ -51,17 +51,18 @@ impl<T: Transport> std::fmt::Debug for Scope<'_, '_, T> {
 impl<T: Transport> QueuePair<T> {
     /// Runs `f` with a [`Scope`] whose work requests borrow registered memory instead of
     /// owning handles (no reference counting per post). `cq` must be this QP's send CQ.
-    /// When `f` returns (or panics), the scope polls `cq` until every work request it posted
-    /// has completed; completions of other work polled meanwhile are kept in `cq` and handed
-    /// out by its next [`poll`](CompletionQueue::poll). If they do not all complete within
-    /// `timeout`, the QP is moved to the error state (which flushes them) and waited for
-    /// again; should even that fail, the process aborts rather than release borrowed memory
-    /// the device may still use.
+    /// When `f` returns (or panics), the scope polls the device CQ until every work request
+    /// it posted has completed; completions of other work polled meanwhile are kept in `cq`
+    /// and handed out by its next [`poll`](CompletionQueue::poll). If they do not all
+    /// complete within `timeout` (or polling fails until then), the QP is moved to the error
+    /// state (which flushes them) and waited for again; should even that fail, the process
+    /// aborts rather than release borrowed memory the device may still use.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] if `cq` is not the QP's send CQ; [`Error::Completion`]
     /// with the first error status of a scoped work request; [`Error::Timeout`] if they had
-    /// to be flushed; [`Error::PollCq`].
+    /// to be flushed; [`Error::PollCq`] if they had to be flushed because polling failed
+    /// (in every case, nothing posted in the scope is outstanding any more).
     pub fn scope<'env, R>(
         &mut self,
         cq: &mut CompletionQueue,
