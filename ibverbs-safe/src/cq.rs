@@ -3,7 +3,7 @@
 
 use crate::context::Context;
 use crate::error::{last_os_error, rc_error, Error, Result, WcStatus};
-use crate::inflight::{QueueKind, SgList, Sweep, WorkQueue};
+use crate::inflight::{QueueKind, SgList, WorkQueue};
 use crate::mr::MrSlice;
 use crate::result::{ops, record_drop_failure};
 use crate::sys::{self, ibv_comp_channel, ibv_cq, ibv_wc};
@@ -427,25 +427,26 @@ impl Completion {
     }
 
     /// Takes `wc` in; its buffers must have been cleared ([`clear_bufs`](Self::clear_bufs)).
-    /// Returns the earlier slots the completion retired, to release once it is filled.
+    /// Claiming the slot and moving its buffers here cannot panic; releasing the earlier
+    /// unsignalled slots the completion retires (done last) may.
     #[inline(always)]
-    fn fill(&mut self, wc: &ibv_wc) -> Option<Sweep> {
+    fn fill(&mut self, wc: &ibv_wc) {
         self.wc = *wc;
         if wc.wr_id & 1 == 0 {
             // SAFETY: even wr_ids on queues created by this crate are slot addresses from
             // `WorkQueue::fill` (the raw layer only accepts odd ids); the slot's queue is
             // kept alive by the CQ's `attached` list; `&mut CompletionQueue` makes us the
             // single poller. The closure only moves (our buffers are empty: nothing drops).
-            let r = unsafe {
+            let kind = unsafe {
                 WorkQueue::complete_with(wc.wr_id, |d| {
                     self.wr_id = d.user;
-                    self.bufs.replace_with(&mut d.bufs);
+                    self.bufs.move_into_empty(&mut d.bufs);
                     self.scoped = d.scoped;
                 })
             };
-            if let Some((kind, sweep)) = r {
-                self.queue = Some(kind);
-                return Some(sweep);
+            if kind.is_some() {
+                self.queue = kind;
+                return;
             }
             self.wr_id = 0;
         } else {
@@ -453,22 +454,31 @@ impl Completion {
         }
         self.queue = None;
         self.scoped = false;
-        None
     }
 }
 
-/// The raw completions of one poll not handed out yet: kept for the next poll if a buffer's
-/// drop panics midway (only then does its `Drop` find any left).
+/// What a poll has not handed out yet, should a buffer's drop panic midway (its `Drop` runs
+/// only then): the completions already written to `out[..k]` go to the
+/// stash, the raw ones from `k` on that were taken from the device stay pending; the next
+/// poll hands out both, in order.
 struct Unhanded<'a> {
+    stash: &'a mut std::collections::VecDeque<Completion>,
     pending: &'a mut std::collections::VecDeque<ibv_wc>,
+    out: *mut Completion,
     wcs: *const ibv_wc,
-    next: usize,
+    k: usize,
     n: usize,
 }
 
 impl Drop for Unhanded<'_> {
     fn drop(&mut self) {
-        for i in self.next..self.n {
+        // Runs only on unwinding (a finished poll forgets the guard).
+        for i in 0..self.k {
+            // SAFETY: `out` has at least `n` entries, exclusively borrowed by the poll.
+            self.stash
+                .push_back(std::mem::take(unsafe { &mut *self.out.add(i) }));
+        }
+        for i in self.k..self.n {
             // SAFETY: the first `n` entries of `wcs` were initialised by the provider.
             self.pending.push_back(unsafe { *self.wcs.add(i) });
         }
@@ -570,22 +580,27 @@ impl CompletionQueue {
                 return Err(Error::PollCq(rc_error(n)));
             }
             let n = (n as usize).min(want);
+            let base = out[done..done + n].as_mut_ptr();
+            let first: *const ibv_wc = wcs.as_ptr().cast();
             let mut left = Unhanded {
+                stash: &mut self.stash,
                 pending: &mut self.pending,
-                wcs: wcs.as_ptr().cast(),
-                next: 0,
+                out: base,
+                wcs: first,
+                k: 0,
                 n,
             };
-            for (o, wc) in out[done..done + n].iter_mut().zip(&wcs[..n]) {
+            for i in 0..n {
+                // SAFETY: `i < n`: inside the exclusively borrowed `out[done..done + n]`,
+                // reached only through `base` while `left` lives.
+                let o = unsafe { &mut *base.add(i) };
                 o.clear_bufs();
+                // From here on nothing can panic before `o` holds the completion.
+                left.k += 1;
                 // SAFETY: the provider initialised the first `n` entries.
-                let sweep = o.fill(unsafe { wc.assume_init_ref() });
-                left.next += 1;
-                if let Some(s) = sweep {
-                    s.run();
-                }
+                o.fill(unsafe { &*first.add(i) });
             }
-            drop(left);
+            std::mem::forget(left);
             done += n;
             if n < want {
                 // The CQ was empty: no completion of a queue retired before this poll began
@@ -610,11 +625,10 @@ impl CompletionQueue {
             let o = &mut out[done];
             o.clear_bufs();
             self.pending.pop_front();
-            let sweep = o.fill(&wc);
             done += 1;
-            if let Some(s) = sweep {
-                s.run();
-            }
+            // A panic here (releasing retired slots) leaves `o` filled but not reported:
+            // rare enough (a second panicking drop) to accept.
+            o.fill(&wc);
         }
         done
     }

@@ -77,8 +77,9 @@ pub(crate) struct State {
     pub(crate) auto_complete: bool,
     /// The next this-many `ibv_dereg_mr` calls fail (and keep the registration).
     pub(crate) fail_dereg: usize,
-    /// Every send work request ever accepted (in order).
+    /// Every send work request ever accepted (in order), unless `no_log`.
     pub(crate) log: Vec<PostedSend>,
+    pub(crate) no_log: bool,
     /// Objects of another context handed to this one (the kernel would resolve their
     /// handles in this context: a different object, or none).
     pub(crate) foreign: Vec<&'static str>,
@@ -623,7 +624,9 @@ unsafe extern "C" fn post_send(
             flags: w.send_flags,
             sges,
         };
-        s.log.push(p.clone());
+        if !s.no_log {
+            s.log.push(p.clone());
+        }
         let auto = s.auto_complete;
         let q = s.qps.get_mut(&(qp as usize)).expect("fake QP");
         if auto {

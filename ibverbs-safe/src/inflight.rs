@@ -146,7 +146,7 @@ impl SgList {
     /// [`Error::ForeignObject`](crate::Error::ForeignObject) when a buffer is registered
     /// in another protection domain than `pd` (its lkey means nothing there — or, on
     /// another device, possibly another region of `pd`).
-    #[inline]
+    #[inline(always)]
     pub(crate) fn encode(
         &self,
         sges: &mut [crate::sys::ibv_sge; MAX_SGE],
@@ -161,7 +161,7 @@ impl SgList {
             foreign |= !std::ptr::eq(Arc::as_ptr(&s.owner.pd.inner), pd);
         }
         if foreign {
-            return Err(crate::Error::ForeignObject("a buffer of the work request"));
+            return Err(foreign_buffer());
         }
         Ok((items.len(), total))
     }
@@ -189,24 +189,16 @@ impl SgList {
         std::mem::take(self)
     }
 
-    /// Drops this list's buffers and moves `src`'s into it, leaving `src` empty. Copies
-    /// only the initialised entries (one 24-byte handle for a single-buffer request instead
-    /// of the whole list).
-    #[inline]
-    pub(crate) fn replace_with(&mut self, src: &mut SgList) {
-        let n = (self.len as usize).min(MAX_SGE);
-        // Emptied first: should a drop panic, nothing is dropped twice (only leaked).
-        self.len = 0;
-        for item in &mut self.items[..n] {
-            // SAFETY: the first `n` entries were initialised; `len` is 0 now, so each is
-            // dropped exactly once.
-            unsafe { item.assume_init_drop() };
-        }
+    /// Moves `src`'s buffers into this list, which must be empty (nothing is dropped, so
+    /// this cannot panic), leaving `src` empty.
+    #[inline(always)]
+    pub(crate) fn move_into_empty(&mut self, src: &mut SgList) {
+        debug_assert!(self.is_empty());
         let m = (src.len as usize).min(MAX_SGE);
         src.len = 0;
         // SAFETY: `src`'s first `m` entries are initialised and, with its `len` now 0, owned
-        // by nobody else; `self`'s entries are all uninitialised; the lists are distinct
-        // (`&mut` to both).
+        // by nobody else; `self` is empty, so its entries are uninitialised; the lists are
+        // distinct (`&mut` to both).
         unsafe {
             std::ptr::copy_nonoverlapping(src.items.as_ptr(), self.items.as_mut_ptr(), m);
         }
@@ -254,6 +246,12 @@ macro_rules! sglist_from_array {
     )*};
 }
 sglist_from_array!(1, 2, 3, 4);
+
+#[cold]
+#[inline(never)]
+fn foreign_buffer() -> crate::Error {
+    crate::Error::ForeignObject("a buffer of the work request")
+}
 
 /// What one slot holds while its work request is in flight.
 pub(crate) struct SlotData {
@@ -426,7 +424,7 @@ impl WorkQueue {
     pub(crate) unsafe fn complete(wr_id: u64) -> Option<(SlotData, QueueKind)> {
         let mut out = None;
         // SAFETY: the caller's contract.
-        let (kind, sweep) = unsafe {
+        let kind = unsafe {
             Self::complete_with(wr_id, |d| {
                 out = Some(SlotData {
                     bufs: d.bufs.take(),
@@ -436,25 +434,23 @@ impl WorkQueue {
                 })
             })
         }?;
-        sweep.run();
         out.map(|d| (d, kind))
     }
 
     /// As [`complete`](Self::complete), lending the slot's data to `f` in place (the hot
     /// path moves the buffers straight into a `Completion`); what `f` leaves is dropped.
-    /// The earlier unsignalled slots this completion retires are returned as a [`Sweep`]
-    /// to [`run`](Sweep::run) once the slot itself is free again: `f` and the drop of what
-    /// it left must not panic (the caller moves the buffers out and drops nothing), while
-    /// the sweep's drops may.
+    /// `f` and the drop of what it leaves must not panic (the callers move the buffers out
+    /// and leave nothing that panics on drop): the slot is claimed meanwhile. The buffers
+    /// of the earlier unsignalled slots this completion retires are dropped after the slot
+    /// is free and the ring's tail moved past it; those drops may panic (see [`sweep`]).
     ///
     /// # Safety
-    /// As [`complete`](Self::complete), and the returned sweep must be run (or dropped)
-    /// before the next completion of the same queue is handled.
+    /// As [`complete`](Self::complete).
     #[inline(always)]
     pub(crate) unsafe fn complete_with(
         wr_id: u64,
         f: impl FnOnce(&mut SlotData),
-    ) -> Option<(QueueKind, Sweep)> {
+    ) -> Option<QueueKind> {
         // SAFETY: contract: the slot and its queue are alive.
         let slot = unsafe { &*(wr_id as *const Slot) };
         // SAFETY: `queue` points at the WorkQueue owning this slot (set at construction).
@@ -476,23 +472,20 @@ impl WorkQueue {
             }
         });
         slot.state.store(FREE, Ordering::Release);
-        let mut sweep = Sweep {
-            q: slot.queue,
-            from: 0,
-            to: 0,
-        };
         if q.ordered {
             let n = q.slots.len();
+            let from = q.tail.load(Ordering::Relaxed);
             let end = slot.index as usize;
             // The tail moves past this slot *before* any earlier buffer is dropped: should
             // one of those drops panic, no later completion sweeps from a stale tail into
             // slots reused for newer, running work requests.
-            sweep.from = q.tail.load(Ordering::Relaxed);
-            sweep.to = end;
             q.tail
                 .store(if end + 1 == n { 0 } else { end + 1 }, Ordering::Relaxed);
+            if from != end {
+                sweep(q, from, end);
+            }
         }
-        Some((q.kind, sweep))
+        Some(q.kind)
     }
 
     /// Releases every in-flight slot (after the QP/SRQ was destroyed: the device no longer
@@ -511,63 +504,38 @@ impl WorkQueue {
     }
 }
 
-/// The earlier, unsignalled slots of a ring that a completion retired (their work requests
-/// completed before it): released by [`run`](Self::run).
-#[must_use]
-pub(crate) struct Sweep {
-    q: *const WorkQueue,
-    from: usize,
-    to: usize,
-}
-
-impl Sweep {
-    /// Drops the buffers of the retired slots. If one of those drops panics, the slots not
-    /// yet released are still freed for reuse, their data leaked (never dropped twice,
-    /// never left claimed), and the panic goes on.
-    #[inline(always)]
-    pub(crate) fn run(self) {
-        if self.from != self.to {
-            self.run_slow();
-        }
+/// Releases the slots `from..to` of a ring (wrapping): earlier, unsignalled work requests
+/// that a completion retired (they completed before it). If one of those drops panics, the
+/// slots not yet released are still freed for reuse, their data leaked (never dropped
+/// twice, never left claimed), and the panic goes on.
+#[cold]
+#[inline(never)]
+fn sweep(q: &WorkQueue, from: usize, to: usize) {
+    let n = q.slots.len();
+    struct Rest<'a> {
+        q: &'a WorkQueue,
+        i: usize,
+        to: usize,
+        n: usize,
     }
-
-    #[cold]
-    #[inline(never)]
-    fn run_slow(self) {
-        // SAFETY: the sweep was made by `complete_with` for a live queue, and is run by that
-        // queue's single poller before its next completion.
-        let q = unsafe { &*self.q };
-        let n = q.slots.len();
-        struct Rest<'a> {
-            q: &'a WorkQueue,
-            i: usize,
-            to: usize,
-            n: usize,
-        }
-        impl Drop for Rest<'_> {
-            fn drop(&mut self) {
-                // Reached with slots left only when a drop below panicked: free the slots,
-                // leak what they held (dropping more now could panic during unwinding).
-                while self.i != self.to {
-                    if let Some(d) = WorkQueue::take(&self.q.slots[self.i]) {
-                        std::mem::forget(d);
-                    }
-                    self.i = if self.i + 1 == self.n { 0 } else { self.i + 1 };
+    impl Drop for Rest<'_> {
+        fn drop(&mut self) {
+            // Reached with slots left only when a drop below panicked: free the slots, leak
+            // what they held (dropping more now could panic during unwinding).
+            while self.i != self.to {
+                if let Some(d) = WorkQueue::take(&self.q.slots[self.i]) {
+                    std::mem::forget(d);
                 }
+                self.i = if self.i + 1 == self.n { 0 } else { self.i + 1 };
             }
         }
-        let mut rest = Rest {
-            q,
-            i: self.from,
-            to: self.to,
-            n,
-        };
-        while rest.i != rest.to {
-            let d = WorkQueue::take(&q.slots[rest.i]);
-            rest.i = if rest.i + 1 == n { 0 } else { rest.i + 1 };
-            // Earlier unsignalled work requests are complete too: release their buffers.
-            drop(d);
-        }
+    }
+    let mut rest = Rest { q, i: from, to, n };
+    while rest.i != rest.to {
+        let d = WorkQueue::take(&q.slots[rest.i]);
+        rest.i = if rest.i + 1 == n { 0 } else { rest.i + 1 };
+        // Earlier unsignalled work requests are complete too: release their buffers.
+        drop(d);
     }
 }
 
@@ -659,10 +627,8 @@ impl SlotTable {
         let mut got = None;
         // SAFETY: the id names a slot of `self.q`, alive while `self` is; `&mut self` makes
         // this the table's single poller.
-        let r =
-            unsafe { WorkQueue::complete_with(slot as *const Slot as u64, |d| got = Some(d.user)) };
-        if let Some((_, sweep)) = r {
-            sweep.run();
+        unsafe {
+            WorkQueue::complete_with(slot as *const Slot as u64, |d| got = Some(d.user));
         }
         let swept = before
             .iter()

@@ -902,11 +902,8 @@ fn release_slot(wr_id: u64) {
     let mut bufs = SgList::new();
     // SAFETY: even wr_ids are slot addresses of queues attached to the polling CQ, which
     // keeps them alive; `&mut CompletionQueue` makes the caller the single poller.
-    let r = unsafe {
-        crate::inflight::WorkQueue::complete_with(wr_id, |d| bufs.replace_with(&mut d.bufs))
-    };
-    if let Some((_, sweep)) = r {
-        sweep.run();
+    unsafe {
+        crate::inflight::WorkQueue::complete_with(wr_id, |d| bufs.move_into_empty(&mut d.bufs));
     }
     drop(bufs);
 }

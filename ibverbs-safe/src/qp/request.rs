@@ -149,7 +149,7 @@ impl SendRequest {
     }
 
     /// Validates against the transport and QP limits and fills `wr`/`sges` (all but wr_id).
-    #[inline]
+    #[inline(always)]
     pub(super) fn encode<T: Transport>(
         &self,
         max_sge: usize,
@@ -160,12 +160,8 @@ impl SendRequest {
     ) -> Result<()> {
         let (n, total) = self.bufs.encode(sges, pd)?;
         self.shape::<T>(total).check(max_sge, max_inline)?;
-        if self.flags & sys::IBV_SEND_INLINE != 0 && !self.bufs.all_host() {
-            // The provider would memcpy from the buffer's address with the CPU: device
-            // memory has no host mapping there (an iova the user chose).
-            return Err(Error::InvalidRequest(
-                "inline data must be host memory (not a device-memory region)",
-            ));
+        if self.flags & sys::IBV_SEND_INLINE != 0 {
+            self.check_inline_host()?;
         }
         wr.next = std::ptr::null_mut();
         wr.sg_list = sges.as_mut_ptr();
@@ -226,6 +222,19 @@ impl SendRequest {
             }
         }
         Ok(())
+    }
+
+    /// The provider copies inline data from the buffers' addresses with the CPU: device
+    /// memory has no host mapping there (an iova the user chose).
+    #[inline(never)]
+    fn check_inline_host(&self) -> Result<()> {
+        if self.bufs.all_host() {
+            Ok(())
+        } else {
+            Err(Error::InvalidRequest(
+                "inline data must be host memory (not a device-memory region)",
+            ))
+        }
     }
 
     /// What the host-side checks look at (see [`SendShape::check`]).
