@@ -421,9 +421,7 @@ impl Completion {
     /// panicking drop leaves the completion unconsumed (it is retried), not a slot claimed.
     #[inline(always)]
     fn clear_bufs(&mut self) {
-        if !self.bufs.is_empty() {
-            drop(self.bufs.take());
-        }
+        self.bufs.clear();
     }
 
     /// Takes `wc` in; its buffers must have been cleared ([`clear_bufs`](Self::clear_bufs)).

@@ -146,7 +146,7 @@ impl SgList {
     /// [`Error::ForeignObject`](crate::Error::ForeignObject) when a buffer is registered
     /// in another protection domain than `pd` (its lkey means nothing there — or, on
     /// another device, possibly another region of `pd`).
-    #[inline(always)]
+    #[inline]
     pub(crate) fn encode(
         &self,
         sges: &mut [crate::sys::ibv_sge; MAX_SGE],
@@ -187,6 +187,19 @@ impl SgList {
     #[inline]
     pub fn take(&mut self) -> SgList {
         std::mem::take(self)
+    }
+
+    /// Drops every buffer in place, leaving the list empty. Emptied first: should a drop
+    /// panic, nothing is dropped twice (the rest is leaked).
+    #[inline]
+    pub(crate) fn clear(&mut self) {
+        let n = (self.len as usize).min(MAX_SGE);
+        self.len = 0;
+        for item in &mut self.items[..n] {
+            // SAFETY: the first `n` entries were initialised; `len` is 0 now, so each is
+            // dropped exactly once.
+            unsafe { item.assume_init_drop() };
+        }
     }
 
     /// Moves `src`'s buffers into this list, which must be empty (nothing is dropped, so

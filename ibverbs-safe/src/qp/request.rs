@@ -149,7 +149,7 @@ impl SendRequest {
     }
 
     /// Validates against the transport and QP limits and fills `wr`/`sges` (all but wr_id).
-    #[inline(always)]
+    #[inline]
     pub(super) fn encode<T: Transport>(
         &self,
         max_sge: usize,
@@ -627,15 +627,18 @@ impl<T: Transport> QueuePair<T> {
                 }
             }
         }
-        // Chain what was filled (the sg_list pointers already point into `sges`).
+        // Chain what was filled. Every pointer into `wrs` comes from one base pointer, and
+        // `wrs` is not touched through references after this, so the chain stays valid.
+        let base = wrs.as_mut_ptr().cast::<ibv_send_wr>();
         for i in 0..filled {
             let next = if i + 1 < filled {
-                wrs[i + 1].as_mut_ptr()
+                // SAFETY: `i + 1 < filled <= MAX_BATCH`: inside `wrs`.
+                unsafe { base.add(i + 1) }
             } else {
                 std::ptr::null_mut()
             };
-            // SAFETY: entries below `filled` were written above.
-            let w = unsafe { wrs[i].assume_init_mut() };
+            // SAFETY: entries below `filled` were written above; reached through `base`.
+            let w = unsafe { &mut *base.add(i) };
             w.wr_id = ids[i];
             w.sg_list = sges[i].as_mut_ptr();
             w.next = next;
@@ -645,14 +648,15 @@ impl<T: Transport> QueuePair<T> {
             let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
             // SAFETY: the QP is live; the chain of `filled` initialised WRs and their SGEs
             // is valid for the call; the buffers are owned by their slots.
-            let rc = unsafe { ops::post_send(core.qp, wrs[0].as_mut_ptr(), &mut bad) };
+            let rc = unsafe { ops::post_send(core.qp, base, &mut bad) };
             if rc != 0 {
                 // Everything from `bad` on was not posted: take those slots back. A `bad`
                 // that names none of them says nothing about what the provider took: keep
                 // every request as posted (its buffers come back with its completion, a
                 // flush, or the QP's destruction) rather than free what the device may use.
                 let first_bad = (0..filled)
-                    .find(|&i| std::ptr::eq(wrs[i].as_ptr(), bad))
+                    // SAFETY: `i < filled`: inside `wrs` (only the address is compared).
+                    .find(|&i| std::ptr::eq(unsafe { base.add(i) }, bad))
                     .unwrap_or(filled);
                 posted = first_bad;
                 for (i, &id) in ids.iter().enumerate().take(filled).skip(first_bad) {
