@@ -39,6 +39,12 @@ fn within<R: Send + 'static>(secs: u64, f: impl FnOnce() -> R + Send + 'static) 
         .unwrap_or_else(|_| panic!("did not finish within {secs} s (hang)"))
 }
 
+/// A scope timeout that expires quickly on the host, and leaves Miri (far slower) time to
+/// make more than one poll.
+fn short() -> Duration {
+    Duration::from_millis(if cfg!(miri) { 2000 } else { 20 })
+}
+
 fn remote() -> RemoteMemory {
     RemoteMemory {
         addr: 0x10_0000,
@@ -105,7 +111,7 @@ fn scope_poll_error_never_returns_with_work_in_flight() {
     // Fails in `finish` and again in the drop-time wait (both used to return early).
     f.fail_polls(cq.id(), 2);
     let qpn = qp.qp_num();
-    let r = qp.scope(&mut cq, Duration::from_millis(20), |s| {
+    let r = qp.scope(&mut cq, short(), |s| {
         s.read(&mut target, ..64, remote(), 1).unwrap();
     });
     assert!(r.is_err(), "the READ never completed: {r:?}");
@@ -132,7 +138,7 @@ fn scope_with_stashed_completions_polls_the_device_and_keeps_its_deadline() {
         let src = pd.alloc_region(64).unwrap();
         qp.post_recv(rx.slice(..).unwrap(), 42).unwrap();
         let qpn = qp.qp_num();
-        let r = qp.scope(&mut cq, Duration::from_millis(20), |s| {
+        let r = qp.scope(&mut cq, short(), |s| {
             s.write(&src, ..8, remote(), 1).unwrap();
             f.complete_recv(qpn, 8, 0);
         });
