@@ -703,3 +703,25 @@ impl CompletionQueue {
         &self.inner.ctx
     }
 }
+
+/// What [`AsyncCompletionQueue`](crate::AsyncCompletionQueue) needs of a channel.
+#[cfg(feature = "tokio")]
+impl CompletionChannel {
+    pub(crate) fn raw(&self) -> *mut ibv_comp_channel {
+        self.inner.ch
+    }
+
+    pub(crate) fn context(&self) -> &Context {
+        &self.inner.ctx
+    }
+
+    /// Whether `cq` reports to this channel and nothing else holds it: no other CQ (each
+    /// holds a reference) and no other clone of this handle.
+    pub(crate) fn is_exclusive_to(&self, cq: &CompletionQueue) -> bool {
+        cq.inner
+            ._channel
+            .as_ref()
+            .is_some_and(|c| Arc::ptr_eq(c, &self.inner))
+            && Arc::strong_count(&self.inner) == 2
+    }
+}

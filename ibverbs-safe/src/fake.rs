@@ -10,6 +10,13 @@
 //! completes them ([`Fake::complete_sends`], [`Fake::complete_recv`]) or the QP is moved to
 //! ERR (every outstanding work request then completes with `WR_FLUSH_ERR`), or the QP is
 //! destroyed (the device forgets them). Completions wait in a per-CQ queue until polled.
+//!
+//! Completion channels are real: an `eventfd` (semaphore mode) per channel, so a reactor can
+//! wait on it. A CQ armed with `req_notify_cq` raises one event on its channel as soon as a
+//! completion is added after the arm (like rxe: completions already there at the arm raise
+//! none) — checked whenever the test steers the device ([`Fake::with`], `complete_*`) and
+//! when a post or a move to ERR adds completions. Events and acknowledgements are counted
+//! per CQ.
 #![allow(unsafe_code)]
 
 use crate::context::Context;
@@ -51,6 +58,18 @@ pub(crate) struct CqState {
     /// The next this-many polls fail (`-EIO`).
     pub(crate) fail_polls: usize,
     pub(crate) polls: usize,
+    /// The channel it reports to (`*mut FakeChannel`, 0 for none).
+    pub(crate) channel: usize,
+    /// Armed: the next completion added raises an event.
+    pub(crate) armed: bool,
+    /// Completions ever added when it was armed (`taken + wcs.len()` then).
+    pub(crate) armed_at: usize,
+    /// Completions polled so far.
+    pub(crate) taken: usize,
+    /// Events raised on its channel, and acknowledged (`ibv_ack_cq_events`).
+    pub(crate) events: usize,
+    pub(crate) acked: usize,
+    pub(crate) ack_calls: usize,
 }
 
 pub(crate) struct QpState {
@@ -93,6 +112,13 @@ pub(crate) struct FakeDevice {
 struct FakeContext {
     ctx: ibv_context,
     dev: Arc<FakeDevice>,
+}
+
+#[repr(C)]
+struct FakeChannel {
+    ch: ibv_comp_channel,
+    /// The CQs of the events not read yet, oldest first (one eventfd count each).
+    events: Mutex<VecDeque<usize>>,
 }
 
 #[repr(C)]
@@ -146,7 +172,10 @@ impl Fake {
 
     /// Locks the device state.
     pub(crate) fn with<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
-        f(&mut self.dev.lock())
+        let mut s = self.dev.lock();
+        let r = f(&mut s);
+        s.raise_events();
+        r
     }
 
     /// Makes the next `n` polls of the CQ `cq_id` fail.
@@ -229,6 +258,26 @@ impl State {
     fn key(&mut self) -> u32 {
         self.next_key += 1;
         self.next_key
+    }
+
+    /// Every armed CQ that got a completion since its arm raises one event and is disarmed.
+    fn raise_events(&mut self) {
+        for (&id, c) in &mut self.cqs {
+            if c.armed && c.channel != 0 && c.taken + c.wcs.len() > c.armed_at {
+                c.armed = false;
+                c.events += 1;
+                // SAFETY: a CQ's channel outlives it (the safe layer holds it).
+                let ch = unsafe { &*(c.channel as *const FakeChannel) };
+                ch.events
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push_back(id);
+                let one = 1u64;
+                // SAFETY: the channel's eventfd is open; `one` is 8 readable bytes.
+                let n = unsafe { libc::write(ch.ch.fd, (&one as *const u64).cast(), 8) };
+                assert_eq!(n, 8, "fake channel: eventfd write");
+            }
+        }
     }
 }
 
@@ -396,10 +445,27 @@ unsafe extern "C" fn dereg_mr(mr: *mut ibv_mr) -> c_int {
     drop(unsafe { Box::from_raw(mr) });
     0
 }
-unsafe extern "C" fn create_comp_channel(_: *mut ibv_context) -> *mut ibv_comp_channel {
-    std::ptr::null_mut()
+unsafe extern "C" fn create_comp_channel(ctx: *mut ibv_context) -> *mut ibv_comp_channel {
+    // SAFETY: no pointer arguments.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_SEMAPHORE | libc::EFD_CLOEXEC) };
+    if fd < 0 {
+        return std::ptr::null_mut();
+    }
+    let ch = Box::new(FakeChannel {
+        ch: ibv_comp_channel {
+            context: ctx,
+            fd,
+            refcnt: 0,
+        },
+        events: Mutex::new(VecDeque::new()),
+    });
+    Box::into_raw(ch).cast()
 }
-unsafe extern "C" fn destroy_comp_channel(_: *mut ibv_comp_channel) -> c_int {
+unsafe extern "C" fn destroy_comp_channel(ch: *mut ibv_comp_channel) -> c_int {
+    // SAFETY: made by `create_comp_channel`, freed once.
+    let ch = unsafe { Box::from_raw(ch.cast::<FakeChannel>()) };
+    // SAFETY: the eventfd is open and closed only here.
+    unsafe { libc::close(ch.ch.fd) };
     0
 }
 unsafe extern "C" fn create_cq(
@@ -417,10 +483,13 @@ unsafe extern "C" fn create_cq(
         cqe,
     }));
     // SAFETY: `ctx` is a live fake context.
-    unsafe { dev(ctx) }
-        .lock()
-        .cqs
-        .insert(cq as usize, CqState::default());
+    unsafe { dev(ctx) }.lock().cqs.insert(
+        cq as usize,
+        CqState {
+            channel: channel as usize,
+            ..CqState::default()
+        },
+    );
     cq
 }
 unsafe extern "C" fn destroy_cq(cq: *mut ibv_cq) -> c_int {
@@ -433,14 +502,41 @@ unsafe extern "C" fn destroy_cq(cq: *mut ibv_cq) -> c_int {
     drop(unsafe { Box::from_raw(cq) });
     0
 }
+/// Like libibverbs: one `read` of the channel's fd per event (blocking unless the fd is
+/// non-blocking; `-1` with `errno` set when the read fails).
 unsafe extern "C" fn get_cq_event(
-    _: *mut ibv_comp_channel,
-    _: *mut *mut ibv_cq,
-    _: *mut *mut c_void,
+    ch: *mut ibv_comp_channel,
+    cq: *mut *mut ibv_cq,
+    cq_context: *mut *mut c_void,
 ) -> c_int {
-    -1
+    // SAFETY: `ch` is a live fake channel.
+    let ch = unsafe { &*ch.cast::<FakeChannel>() };
+    let mut v = 0u64;
+    // SAFETY: the eventfd is open; `v` has room for 8 bytes.
+    if unsafe { libc::read(ch.ch.fd, (&mut v as *mut u64).cast(), 8) } != 8 {
+        return -1;
+    }
+    let id = ch
+        .events
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .pop_front()
+        .expect("fake channel: an event per eventfd count");
+    // SAFETY: the out-pointers are valid (the caller's contract); the CQ is alive while it
+    // has unacknowledged events (the safe layer acknowledges before destroying it).
+    unsafe {
+        *cq = id as *mut ibv_cq;
+        *cq_context = (*(id as *mut ibv_cq)).cq_context;
+    }
+    0
 }
-unsafe extern "C" fn ack_cq_events(_: *mut ibv_cq, _: u32) {}
+unsafe extern "C" fn ack_cq_events(cq: *mut ibv_cq, n: u32) {
+    // SAFETY: `cq` is a live fake CQ.
+    let mut s = unsafe { dev((*cq).context) }.lock();
+    let c = s.cqs.get_mut(&(cq as usize)).expect("fake CQ");
+    c.acked += n as usize;
+    c.ack_calls += 1;
+}
 unsafe extern "C" fn create_qp(pd: *mut ibv_pd, init: *mut ibv_qp_init_attr) -> *mut ibv_qp {
     // SAFETY: `pd` is a live fake PD and `init` a valid attribute struct.
     let (ctx, init) = unsafe { ((*pd).context, &mut *init) };
@@ -520,6 +616,7 @@ unsafe extern "C" fn modify_qp(qp: *mut ibv_qp, attr: *mut ibv_qp_attr, mask: c_
         if let Some(c) = s.cqs.get_mut(&rcq) {
             c.wcs.extend(recvs);
         }
+        s.raise_events();
     }
     0
 }
@@ -641,6 +738,7 @@ unsafe extern "C" fn post_send(
         wr = w.next;
         i += 1;
     }
+    s.raise_events();
     if let PostSendMode::FailForeign { rc } = mode {
         static NOTHING: u8 = 0;
         // SAFETY: the caller passes a valid out-pointer; the value names no request.
@@ -700,9 +798,15 @@ unsafe extern "C" fn poll_cq(cq: *mut ibv_cq, n: c_int, wc: *mut ibv_wc) -> c_in
         unsafe { wc.add(k).write(w) };
         k += 1;
     }
+    c.taken += k;
     k as c_int
 }
 
-unsafe extern "C" fn req_notify_cq(_: *mut ibv_cq, _: c_int) -> c_int {
+unsafe extern "C" fn req_notify_cq(cq: *mut ibv_cq, _: c_int) -> c_int {
+    // SAFETY: `cq` is a live fake CQ.
+    let mut s = unsafe { dev((*cq).context) }.lock();
+    let c = s.cqs.get_mut(&(cq as usize)).expect("fake CQ");
+    c.armed = true;
+    c.armed_at = c.taken + c.wcs.len();
     0
 }

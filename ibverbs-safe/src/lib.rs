@@ -240,6 +240,8 @@ macro_rules! skip {
 }
 
 mod ah;
+#[cfg(feature = "tokio")]
+mod async_cq;
 mod buffer;
 mod context;
 mod cq;
@@ -262,6 +264,8 @@ mod srq;
 mod sys;
 
 pub use ah::{AddressHandle, AhAttr, GlobalRoute};
+#[cfg(feature = "tokio")]
+pub use async_cq::{AsyncCompletionQueue, AsyncCqStats, ACK_BATCH};
 pub use buffer::{huge_pages, page_aligned, AlignedBuffer, RegionBuffer};
 pub use context::{Context, DeviceAttr};
 pub use cq::{Completion, CompletionChannel, CompletionQueue, CqEvent, WcOpcode};
