@@ -55,8 +55,9 @@ const STREAM_BATCH: usize = 16;
 
 type Hook = Box<dyn FnMut() + Send>;
 
-/// Counters of the notification protocol (see the [module docs](self)): what the queue did
-/// while it waited. Cheap to read; meant for tests and tuning.
+/// Counters of the notification protocol (see the
+/// [crate docs](crate#async-completions-feature-tokio)): what the queue did while it waited.
+/// Cheap to read; meant for tests and tuning.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct AsyncCqStats {
@@ -76,8 +77,8 @@ pub struct AsyncCqStats {
 /// A completion queue whose completions a tokio task can `.await`, one batch at a time
 /// ([`next_batch`](Self::next_batch)), one by one ([`next_completion`](Self::next_completion)),
 /// or as a [`Stream`](futures_core::Stream) of `Result<Completion>`. See the
-/// [module docs](self) for the protocol it runs, how to post from another task, and
-/// cancellation.
+/// [crate docs](crate#async-completions-feature-tokio) for the protocol it runs, how to post
+/// from another task, and cancellation.
 ///
 /// It must be created (and used) inside a tokio runtime with IO enabled. It owns its
 /// completion channel: no other CQ may report to that channel, so every event on it is this
@@ -191,9 +192,10 @@ impl AsyncCompletionQueue {
         &self.cq
     }
 
-    /// The completion queue, for synchronous use (e.g. [`QueuePair::scope`](crate::QueuePair::scope)
-    /// or a plain [`poll`](CompletionQueue::poll)). Completions taken that way are simply not
-    /// seen here; completions already buffered for
+    /// The completion queue, for synchronous use (e.g.
+    /// [`QueuePair::scope`](crate::QueuePair::scope) or a plain
+    /// [`poll`](CompletionQueue::poll)). Completions taken that way are simply not seen here;
+    /// completions already buffered for
     /// [`next_completion`](Self::next_completion) stay buffered.
     pub fn cq_mut(&mut self) -> &mut CompletionQueue {
         &mut self.cq

@@ -54,6 +54,61 @@
 //! # }
 //! ```
 //!
+//! # Async completions (feature `tokio`)
+//!
+//! With the optional `tokio` feature (off by default; without it tokio is not a dependency),
+//! `AsyncCompletionQueue` lets a task `.await` completions instead of busy-polling: create
+//! one with `Context::create_async_cq` inside a tokio runtime (IO enabled), build queue
+//! pairs on its `cq()`, then `next_completion().await`, `next_batch(&mut out).await`, or use
+//! it as a `futures_core::Stream` of `Result<Completion>`. Each completion carries its work
+//! request's buffers, exactly as [`CompletionQueue::poll`] hands them back.
+//!
+//! It runs the completion-channel protocol for you: poll; if empty, arm the CQ
+//! (`ibv_req_notify_cq`) and **poll again** — a completion that arrived between the empty
+//! poll and the arm raises no event, and would otherwise sit unseen — then sleep until the
+//! channel's fd (registered with tokio's reactor through `AsyncFd`) is readable, read the
+//! events without blocking and acknowledge them in batches. An idle awaiting task costs no
+//! CPU. The futures are cancellation-safe: dropping one loses no completion.
+//!
+//! **Posting while another task awaits** needs no lock: a [`QueuePair`] (the single
+//! producer, posting takes `&mut`) and the `AsyncCompletionQueue` (the single consumer)
+//! are separate `Send` objects that share no mutable Rust state, so one task (or thread)
+//! owns and posts on the QP while another owns the queue and awaits; buffers come back to
+//! whoever awaits, in the completions.
+//!
+//! ```no_run
+//! # #[cfg(feature = "tokio")]
+//! async fn serve(ctx: ibverbs_safe::Context) -> ibverbs_safe::Result<()> {
+//!     let pd = ctx.alloc_pd()?;
+//!     let mut cq = ctx.create_async_cq(256)?;
+//!     let qp = pd.queue_pair(cq.cq(), cq.cq()).gid_index(1).build_rc()?;
+//!     let mut rx = pd.alloc_region(4096)?;
+//! #   let peer: ibverbs_safe::Endpoint = qp.endpoint();
+//!     let mut qp = qp.connect(&peer)?; // the peer's endpoint, exchanged out of band
+//!     qp.post_recv(rx.slice(..)?, 1).map_err(|e| e.error)?;
+//!
+//!     // One task posts (it owns the QP) ...
+//!     let mut tx = pd.alloc_region(64)?;
+//!     let hello = tx.slice(..5)?;
+//!     hello.write_from(0, b"hello")?;
+//!     let poster = tokio::spawn(async move {
+//!         qp.send(hello, 2).map_err(|e| e.error)?;
+//!         Ok::<_, ibverbs_safe::Error>(qp)
+//!     });
+//!     // ... while this one awaits the completions (it owns the queue).
+//!     for _ in 0..2 {
+//!         let mut c = cq.next_completion().await?;
+//!         c.result()?;
+//!         if let Some(buf) = c.take_buf() {
+//!             println!("wr {} done, {} bytes handed back", c.wr_id(), buf.len());
+//!         }
+//!     }
+//!     let _qp = poster.await.expect("poster task")?;
+//!     Ok(())
+//! }
+//! # fn main() {}
+//! ```
+//!
 //! # DESIGN
 //!
 //! **Layers.** `sys` (private `#[repr(C)]` mirrors of `verbs.h`, checked against the real
