@@ -295,7 +295,8 @@ fn rxe_async_no_completion_is_lost_between_poll_and_arm() {
                 // so every arm was followed by a re-poll that found it.
                 assert_eq!(s.arms, rounds, "{s:?}");
                 assert!(s.rearm_hits >= rounds * 9 / 10, "{s:?}");
-                assert_eq!(rx.outstanding(), 0);
+                drop(rxs);
+                assert_eq!(rx.outstanding(), 0, "every receive handle came back");
                 acq.set_before_arm_hook(None);
                 drop((acq, qb, a));
             });
@@ -303,8 +304,20 @@ fn rxe_async_no_completion_is_lost_between_poll_and_arm() {
     }
 }
 
-/// An awaiting task sleeps in the reactor: its thread's CPU time over a 500 ms wait for a
-/// receive stays near zero. Control: a busy-polling wait of 200 ms on the same meter.
+/// Polls `fut` once with a waker that does nothing.
+fn poll_once<F: std::future::Future>(fut: std::pin::Pin<&mut F>) -> std::task::Poll<F::Output> {
+    struct Nop;
+    impl std::task::Wake for Nop {
+        fn wake(self: Arc<Self>) {}
+    }
+    let waker = std::task::Waker::from(Arc::new(Nop));
+    fut.poll(&mut std::task::Context::from_waker(&waker))
+}
+
+/// An awaiting task sleeps in the reactor: its thread's CPU time over a 1 s wait for a
+/// receive (from the moment it went to sleep, armed, to its wake-up with the completion)
+/// stays under 5% of the wait — in practice a few scheduler ticks at most. Control: a
+/// busy-polling wait of 200 ms on the same meter.
 #[test]
 fn rxe_async_idle_await_costs_almost_no_cpu() {
     for l in layouts_required("rxe_async_idle_await_costs_almost_no_cpu") {
@@ -323,17 +336,21 @@ fn rxe_async_idle_await_costs_almost_no_cpu() {
                 let mut tx = pda.alloc_region(64).unwrap();
                 let tx = tx.slice(..).unwrap();
                 let sender = std::thread::spawn(move || {
-                    std::thread::sleep(Duration::from_millis(500));
+                    std::thread::sleep(Duration::from_millis(1000));
                     send_and_wait(&mut qa, &mut cqa, &tx, b"late");
                     (qa, cqa)
                 });
-                let (t0, c0) = (Instant::now(), thread_cpu());
-                let mut c = acq.next_completion().await.unwrap();
-                let (wall, idle) = (t0.elapsed(), thread_cpu() - c0);
+                let (wall, idle, mut c) = {
+                    let mut fut = std::pin::pin!(acq.next_completion());
+                    assert!(poll_once(fut.as_mut()).is_pending(), "armed and asleep");
+                    let (t0, c0) = (Instant::now(), thread_cpu());
+                    let c = fut.await.unwrap();
+                    (t0.elapsed(), thread_cpu() - c0, c)
+                };
                 c.result().unwrap();
                 assert_eq!(&c.take_buf().unwrap().to_vec().unwrap()[..4], b"late");
                 let _a = sender.join().unwrap();
-                assert!(wall >= Duration::from_millis(450), "{wall:?}");
+                assert!(wall >= Duration::from_millis(800), "{wall:?}");
                 let mut out = Completion::buffer(1);
                 let c0 = thread_cpu();
                 let r = acq
@@ -356,8 +373,8 @@ fn rxe_async_idle_await_costs_almost_no_cpu() {
             "the meter sees a busy wait: {busy:?}"
         );
         assert!(
-            idle < Duration::from_millis(50),
-            "idle await burnt {idle:?} CPU"
+            idle < wall / 20,
+            "idle await burnt {idle:?} CPU over {wall:?}"
         );
     }
 }
