@@ -15,7 +15,8 @@
 # that file for CI's closing summary.
 #
 # Knobs: SOFTROCE_SUITE_SKIP (package directories whose tests do not run in the guest;
-# default "nvlink-p2p ffi-check": GPU tests, host-only header checks),
+# default "nvlink-p2p ffi-check": GPU tests, host-only header checks), SOFTROCE_FEATURE_BUILDS
+# (test targets that need cargo features; default "ibverbs-safe:tokio"),
 # SOFTROCE_SUITE_TIMEOUT (guest seconds, default 1500),
 # SOFTROCE_STEP_TIMEOUT (per test executable, default 600), SOFTROCE_TEST_THREADS (default 1).
 set -euo pipefail
@@ -44,6 +45,25 @@ cargo test --workspace --no-run --message-format=json-render-diagnostics |
   grep '"profile":{[^}]*"test":true' |
   sed -n 's|.*"manifest_path":"\([^"]*\)/Cargo.toml".*"executable":"\([^"]*\)".*|\1\t\2|p' |
   sort -u > "$list.all"
+# Test targets declared with `required-features` are not built by the plain build: build
+# each package with its features (SOFTROCE_FEATURE_BUILDS, "package:feature,feature ...")
+# and add the executables of targets the plain build lacks (by target name; the others
+# already ran above, without the features).
+exe_name() { sed 's|.*/||; s|-[0-9a-f]\{16\}$||'; }
+for fb in ${SOFTROCE_FEATURE_BUILDS-ibverbs-safe:tokio}; do
+  log "building test executables of ${fb%%:*} with features ${fb#*:}"
+  cargo test -p "${fb%%:*}" --features "${fb#*:}" --no-run --message-format=json-render-diagnostics |
+    grep '"profile":{[^}]*"test":true' |
+    sed -n 's|.*"manifest_path":"\([^"]*\)/Cargo.toml".*"executable":"\([^"]*\)".*|\1\t\2|p' |
+    sort -u > "$list.feat"
+  cut -f2 "$list.all" | exe_name | sort -u > "$list.names"
+  while IFS=$'\t' read -r dir exe; do
+    if ! grep -qxF "$(exe_name <<< "$exe")" "$list.names"; then
+      printf '%s\t%s\n' "$dir" "$exe" >> "$list.all"
+    fi
+  done < "$list.feat"
+done
+rm -f "$list.feat" "$list.names"
 for d in "${SKIP[@]}"; do
   grep -v "/$d"$'\t' "$list.all" > "$list.f" || true
   mv "$list.f" "$list.all"

@@ -5,8 +5,8 @@
 //! * region bounds (`MemoryRegion::slice` / `MrSlice::slice`, scoped posts): `start..end`
 //!   is accepted exactly when it lies in the region (and fits one SGE), typed error else;
 //! * send work requests (`SendShape::check`, what `post_send`/`post_batch` run): SGE count
-//!   limit, inline size limit, opcode allowed for the QP type (RC/UC/UD), no immediate on
-//!   READ/atomics, local length within the remote window, atomics on one 8-byte 8-aligned
+//!   limit, inline size limit, no inline READ/atomics, opcode allowed for the QP type
+//!   (RC/UC/UD), no immediate on READ/atomics, local length within the remote window, atomics on one 8-byte 8-aligned
 //!   buffer and an 8-byte 8-aligned target — the model's verdict and error kind must agree;
 //!   only requests that pass are posted;
 //! * in-flight slot tables (a QP's ordered send queue and an SRQ's unordered table):
@@ -117,6 +117,10 @@ enum Verdict {
 
 fn expected(s: &SendShape, qpt: Qpt, max_sge: usize, max_inline: u32) -> Verdict {
     if s.nbufs > max_sge || (s.inline && s.total > max_inline as u64) {
+        return Verdict::Invalid;
+    }
+    // Inline data is a SEND/WRITE source copied by the CPU: never READ or atomic targets.
+    if s.inline && matches!(s.class, OpClass::Read | OpClass::Atomic) {
         return Verdict::Invalid;
     }
     let allowed = match s.class {

@@ -10,7 +10,7 @@ use crate::sys::{ibv_ah, ibv_ah_attr, ibv_gid, ibv_global_route};
 use std::sync::Arc;
 
 pub(crate) struct AhInner {
-    pd: ProtectionDomain,
+    pub(crate) pd: ProtectionDomain,
     ah: *mut ibv_ah,
 }
 

@@ -9,6 +9,7 @@ use crate::result::{ops, record_drop_failure};
 use crate::sys::{self, ibv_comp_channel, ibv_cq, ibv_wc};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -165,10 +166,14 @@ pub(crate) struct CqInner {
     pub(crate) ctx: Context,
     pub(crate) cq: *mut ibv_cq,
     _channel: Option<Arc<ChannelInner>>,
-    /// Slot tables of every work queue that reports to this CQ. Kept until the CQ is
-    /// destroyed, so a completion's `wr_id` always points at live memory (even a late,
-    /// flushed completion of a QP that is already gone).
+    /// Slot tables of every work queue that reports to this CQ. A table stays here until its
+    /// queue was destroyed *and* a poll that started after that found the CQ empty, so a
+    /// completion's `wr_id` always points at live memory (even a late, flushed completion of
+    /// a QP that is already gone).
     attached: Mutex<Vec<Arc<WorkQueue>>>,
+    /// How many attached queues were retired (destroyed) so far; each retired queue records
+    /// its number in `WorkQueue::retired_at`.
+    retired: AtomicUsize,
 }
 
 // SAFETY: CQs are thread-safe verbs objects; `attached` is behind a Mutex.
@@ -182,6 +187,42 @@ impl CqInner {
         if !v.iter().any(|q| Arc::ptr_eq(q, wq)) {
             v.push(wq.clone());
         }
+    }
+
+    /// Marks `wq` (attached here) as destroyed: the device makes no new completion for it.
+    /// Its table is detached by the poller once no completion can still name it.
+    pub(crate) fn retire(&self, wq: &Arc<WorkQueue>) {
+        let _v = self.attached.lock().unwrap_or_else(|e| e.into_inner());
+        if wq.retired_at.load(Ordering::Relaxed) != 0 {
+            return;
+        }
+        let seq = self.retired.load(Ordering::Relaxed) + 1;
+        wq.retired_at.store(seq, Ordering::Relaxed);
+        self.retired.store(seq, Ordering::Release);
+    }
+
+    /// Detaches the queues retired up to number `upto`: called by the single poller after a
+    /// poll that began after it read `upto` (so after those queues' destruction) found the
+    /// CQ empty, so no completion naming their slots is left.
+    #[cold]
+    #[inline(never)]
+    fn detach_retired(&self, upto: usize) {
+        let mut v = self.attached.lock().unwrap_or_else(|e| e.into_inner());
+        v.retain(|q| {
+            let r = q.retired_at.load(Ordering::Relaxed);
+            r == 0 || r > upto
+        });
+    }
+}
+
+#[cfg(test)]
+impl CqInner {
+    /// Number of slot tables attached.
+    pub(crate) fn attached_len(&self) -> usize {
+        self.attached
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .len()
     }
 }
 
@@ -205,6 +246,11 @@ pub struct CompletionQueue {
     /// Completions of other work that a [`QueuePair::scope`](crate::QueuePair::scope) polled
     /// while waiting for its own; handed out first by the next [`poll`](Self::poll).
     pub(crate) stash: std::collections::VecDeque<Completion>,
+    /// Raw completions taken from the device but not yet handed out, because a buffer's
+    /// drop panicked in the middle of a poll: handled first by the next poll.
+    pending: std::collections::VecDeque<ibv_wc>,
+    /// Retired queues up to this number are detached already.
+    detached_upto: usize,
 }
 
 impl std::fmt::Debug for CompletionQueue {
@@ -371,18 +417,28 @@ impl Completion {
         self.bufs.take().into_first()
     }
 
-    #[inline]
+    /// Drops the buffers an earlier poll left here. Done before a slot is claimed, so a
+    /// panicking drop leaves the completion unconsumed (it is retried), not a slot claimed.
+    #[inline(always)]
+    fn clear_bufs(&mut self) {
+        self.bufs.clear();
+    }
+
+    /// Takes `wc` in; its buffers must have been cleared ([`clear_bufs`](Self::clear_bufs)).
+    /// Claiming the slot and moving its buffers here cannot panic; releasing the earlier
+    /// unsignalled slots the completion retires (done last) may.
+    #[inline(always)]
     fn fill(&mut self, wc: &ibv_wc) {
         self.wc = *wc;
         if wc.wr_id & 1 == 0 {
             // SAFETY: even wr_ids on queues created by this crate are slot addresses from
             // `WorkQueue::fill` (the raw layer only accepts odd ids); the slot's queue is
             // kept alive by the CQ's `attached` list; `&mut CompletionQueue` makes us the
-            // single poller.
+            // single poller. The closure only moves (our buffers are empty: nothing drops).
             let kind = unsafe {
                 WorkQueue::complete_with(wc.wr_id, |d| {
                     self.wr_id = d.user;
-                    self.bufs.replace_with(&mut d.bufs);
+                    self.bufs.move_into_empty(&mut d.bufs);
                     self.scoped = d.scoped;
                 })
             };
@@ -394,9 +450,36 @@ impl Completion {
         } else {
             self.wr_id = wc.wr_id;
         }
-        self.bufs = SgList::new();
         self.queue = None;
         self.scoped = false;
+    }
+}
+
+/// What a poll has not handed out yet, should a buffer's drop panic midway (its `Drop` runs
+/// only then): the completions already written to `out[..k]` go to the
+/// stash, the raw ones from `k` on that were taken from the device stay pending; the next
+/// poll hands out both, in order.
+struct Unhanded<'a> {
+    stash: &'a mut std::collections::VecDeque<Completion>,
+    pending: &'a mut std::collections::VecDeque<ibv_wc>,
+    out: *mut Completion,
+    wcs: *const ibv_wc,
+    k: usize,
+    n: usize,
+}
+
+impl Drop for Unhanded<'_> {
+    fn drop(&mut self) {
+        // Runs only on unwinding (a finished poll forgets the guard).
+        for i in 0..self.k {
+            // SAFETY: `out` has at least `n` entries, exclusively borrowed by the poll.
+            self.stash
+                .push_back(std::mem::take(unsafe { &mut *self.out.add(i) }));
+        }
+        for i in self.k..self.n {
+            // SAFETY: the first `n` entries of `wcs` were initialised by the provider.
+            self.pending.push_back(unsafe { *self.wcs.add(i) });
+        }
     }
 }
 
@@ -424,8 +507,11 @@ impl CompletionQueue {
                 cq,
                 _channel: channel.map(|c| c.inner.clone()),
                 attached: Mutex::new(Vec::new()),
+                retired: AtomicUsize::new(0),
             }),
             stash: std::collections::VecDeque::new(),
+            pending: std::collections::VecDeque::new(),
+            detached_upto: 0,
         })
     }
 
@@ -443,21 +529,46 @@ impl CompletionQueue {
     /// Polls up to `out.len()` completions into `out`, returning how many were written.
     /// Buffers left in `out` entries from an earlier poll are dropped when overwritten.
     ///
+    /// If dropping such a buffer (or one of an earlier unsignalled work request that a
+    /// completion retires) panics, the panic propagates, and the completions already taken
+    /// from the device but not handed out are kept for the next poll: none is lost, and no
+    /// slot is left claimed.
+    ///
     /// # Errors
     /// [`Error::PollCq`] if the provider reports an error.
     #[inline]
     pub fn poll(&mut self, out: &mut [Completion]) -> Result<usize> {
-        const CHUNK: usize = 16;
         let mut done = 0;
         if !self.stash.is_empty() {
-            while done < out.len() {
-                match self.stash.pop_front() {
-                    Some(c) => out[done] = c,
-                    None => break,
-                }
-                done += 1;
-            }
+            done = self.poll_stash(out);
         }
+        self.poll_device(out, done)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn poll_stash(&mut self, out: &mut [Completion]) -> usize {
+        let mut done = 0;
+        while done < out.len() {
+            match self.stash.pop_front() {
+                Some(c) => out[done] = c,
+                None => break,
+            }
+            done += 1;
+        }
+        done
+    }
+
+    /// Fills `out[done..]` from the completions a panic left pending, then from the device
+    /// (not from the stash); returns the new `done`.
+    #[inline]
+    pub(crate) fn poll_device(&mut self, out: &mut [Completion], mut done: usize) -> Result<usize> {
+        const CHUNK: usize = 16;
+        if !self.pending.is_empty() {
+            done = self.poll_pending(out, done);
+        }
+        // Queues retired before this point were destroyed before the poll below begins.
+        let retired = self.inner.retired.load(Ordering::Acquire);
         let mut wcs = [MaybeUninit::<ibv_wc>::uninit(); CHUNK];
         while done < out.len() {
             let want = (out.len() - done).min(CHUNK);
@@ -467,16 +578,57 @@ impl CompletionQueue {
                 return Err(Error::PollCq(rc_error(n)));
             }
             let n = (n as usize).min(want);
-            for (o, wc) in out[done..done + n].iter_mut().zip(&wcs[..n]) {
+            let base = out[done..done + n].as_mut_ptr();
+            let first: *const ibv_wc = wcs.as_ptr().cast();
+            let mut left = Unhanded {
+                stash: &mut self.stash,
+                pending: &mut self.pending,
+                out: base,
+                wcs: first,
+                k: 0,
+                n,
+            };
+            for i in 0..n {
+                // SAFETY: `i < n`: inside the exclusively borrowed `out[done..done + n]`,
+                // reached only through `base` while `left` lives.
+                let o = unsafe { &mut *base.add(i) };
+                o.clear_bufs();
+                // From here on nothing can panic before `o` holds the completion.
+                left.k += 1;
                 // SAFETY: the provider initialised the first `n` entries.
-                o.fill(unsafe { wc.assume_init_ref() });
+                o.fill(unsafe { &*first.add(i) });
             }
+            std::mem::forget(left);
             done += n;
             if n < want {
+                // The CQ was empty: no completion of a queue retired before this poll began
+                // is left in it.
+                if retired != self.detached_upto && self.pending.is_empty() {
+                    self.inner.detach_retired(retired);
+                    self.detached_upto = retired;
+                }
                 break;
             }
         }
         Ok(done)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn poll_pending(&mut self, out: &mut [Completion], mut done: usize) -> usize {
+        while done < out.len() {
+            let Some(wc) = self.pending.front().copied() else {
+                break;
+            };
+            let o = &mut out[done];
+            o.clear_bufs();
+            self.pending.pop_front();
+            done += 1;
+            // A panic here (releasing retired slots) leaves `o` filled but not reported:
+            // rare enough (a second panicking drop) to accept.
+            o.fill(&wc);
+        }
+        done
     }
 
     /// Busy-polls until at least one completion arrived (then returns what [`poll`](Self::poll)
@@ -549,5 +701,27 @@ impl CompletionQueue {
     /// The context the CQ belongs to.
     pub fn context(&self) -> &Context {
         &self.inner.ctx
+    }
+}
+
+/// What [`AsyncCompletionQueue`](crate::AsyncCompletionQueue) needs of a channel.
+#[cfg(feature = "tokio")]
+impl CompletionChannel {
+    pub(crate) fn raw(&self) -> *mut ibv_comp_channel {
+        self.inner.ch
+    }
+
+    pub(crate) fn context(&self) -> &Context {
+        &self.inner.ctx
+    }
+
+    /// Whether `cq` reports to this channel and nothing else holds it: no other CQ (each
+    /// holds a reference) and no other clone of this handle.
+    pub(crate) fn is_exclusive_to(&self, cq: &CompletionQueue) -> bool {
+        cq.inner
+            ._channel
+            .as_ref()
+            .is_some_and(|c| Arc::ptr_eq(c, &self.inner))
+            && Arc::strong_count(&self.inner) == 2
     }
 }

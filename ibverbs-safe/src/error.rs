@@ -219,6 +219,13 @@ pub enum Error {
     /// The RDMA connection manager (rdma_cm) failed.
     #[error(transparent)]
     Cm(#[from] crate::cm::CmError),
+    /// An object of another device context (or protection domain) was used with this one:
+    /// the device resolves handles per context, so it would name a different object.
+    #[error("{0} belongs to another device context or protection domain")]
+    ForeignObject(&'static str),
+    /// `ibv_dereg_mr` failed: the registration (and the memory behind it) is kept.
+    #[error("ibv_dereg_mr failed; the region stays registered")]
+    DeregMr(#[source] io::Error),
 }
 
 fn memlock_hint(e: &io::Error) -> &'static str {

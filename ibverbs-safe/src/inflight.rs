@@ -142,16 +142,34 @@ impl SgList {
         self.as_slice().iter()
     }
 
-    /// Writes the scatter/gather elements; returns their number and total length.
+    /// Writes the scatter/gather elements; returns their number and total length, or
+    /// [`Error::ForeignObject`](crate::Error::ForeignObject) when a buffer is registered
+    /// in another protection domain than `pd` (its lkey means nothing there — or, on
+    /// another device, possibly another region of `pd`).
     #[inline]
-    pub(crate) fn encode(&self, sges: &mut [crate::sys::ibv_sge; MAX_SGE]) -> (usize, u64) {
+    pub(crate) fn encode(
+        &self,
+        sges: &mut [crate::sys::ibv_sge; MAX_SGE],
+        pd: *const crate::pd::PdInner,
+    ) -> crate::Result<(usize, u64)> {
         let items = self.as_slice();
         let mut total = 0u64;
+        let mut foreign = false;
         for (sge, s) in sges.iter_mut().zip(items) {
             *sge = s.sge();
             total += s.len() as u64;
+            foreign |= !std::ptr::eq(Arc::as_ptr(&s.owner.pd.inner), pd);
         }
-        (items.len(), total)
+        if foreign {
+            return Err(foreign_buffer());
+        }
+        Ok((items.len(), total))
+    }
+
+    /// Whether every buffer is host memory the CPU may read (not device memory).
+    #[inline]
+    pub(crate) fn all_host(&self) -> bool {
+        self.iter().all(|s| s.owner.host)
     }
 
     /// The first buffer.
@@ -171,24 +189,29 @@ impl SgList {
         std::mem::take(self)
     }
 
-    /// Drops this list's buffers and moves `src`'s into it, leaving `src` empty. Copies
-    /// only the initialised entries (one 24-byte handle for a single-buffer request instead
-    /// of the whole list).
+    /// Drops every buffer in place, leaving the list empty. Emptied first: should a drop
+    /// panic, nothing is dropped twice (the rest is leaked).
     #[inline]
-    pub(crate) fn replace_with(&mut self, src: &mut SgList) {
+    pub(crate) fn clear(&mut self) {
         let n = (self.len as usize).min(MAX_SGE);
-        // Emptied first: should a drop panic, nothing is dropped twice (only leaked).
         self.len = 0;
         for item in &mut self.items[..n] {
             // SAFETY: the first `n` entries were initialised; `len` is 0 now, so each is
             // dropped exactly once.
             unsafe { item.assume_init_drop() };
         }
+    }
+
+    /// Moves `src`'s buffers into this list, which must be empty (nothing is dropped, so
+    /// this cannot panic), leaving `src` empty.
+    #[inline(always)]
+    pub(crate) fn move_into_empty(&mut self, src: &mut SgList) {
+        debug_assert!(self.is_empty());
         let m = (src.len as usize).min(MAX_SGE);
         src.len = 0;
         // SAFETY: `src`'s first `m` entries are initialised and, with its `len` now 0, owned
-        // by nobody else; `self`'s entries are all uninitialised; the lists are distinct
-        // (`&mut` to both).
+        // by nobody else; `self` is empty, so its entries are uninitialised; the lists are
+        // distinct (`&mut` to both).
         unsafe {
             std::ptr::copy_nonoverlapping(src.items.as_ptr(), self.items.as_mut_ptr(), m);
         }
@@ -237,6 +260,12 @@ macro_rules! sglist_from_array {
 }
 sglist_from_array!(1, 2, 3, 4);
 
+#[cold]
+#[inline(never)]
+fn foreign_buffer() -> crate::Error {
+    crate::Error::ForeignObject("a buffer of the work request")
+}
+
 /// What one slot holds while its work request is in flight.
 pub(crate) struct SlotData {
     pub(crate) bufs: SgList,
@@ -278,6 +307,9 @@ pub(crate) struct WorkQueue {
     /// poller of this queue's CQ).
     tail: AtomicUsize,
     dead: AtomicBool,
+    /// Set (to its CQ's retire sequence number) once the queue's QP is destroyed: the CQ
+    /// detaches the table after a poll that started later found the CQ empty.
+    pub(crate) retired_at: std::sync::atomic::AtomicUsize,
     pub(crate) kind: QueueKind,
 }
 
@@ -315,6 +347,7 @@ impl WorkQueue {
                 ordered,
                 tail: AtomicUsize::new(0),
                 dead: AtomicBool::new(false),
+                retired_at: std::sync::atomic::AtomicUsize::new(0),
                 kind,
             }
         })
@@ -419,6 +452,10 @@ impl WorkQueue {
 
     /// As [`complete`](Self::complete), lending the slot's data to `f` in place (the hot
     /// path moves the buffers straight into a `Completion`); what `f` leaves is dropped.
+    /// `f` and the drop of what it leaves must not panic (the callers move the buffers out
+    /// and leave nothing that panics on drop): the slot is claimed meanwhile. The buffers
+    /// of the earlier unsignalled slots this completion retires are dropped after the slot
+    /// is free and the ring's tail moved past it; those drops may panic (see [`sweep`]).
     ///
     /// # Safety
     /// As [`complete`](Self::complete).
@@ -450,15 +487,16 @@ impl WorkQueue {
         slot.state.store(FREE, Ordering::Release);
         if q.ordered {
             let n = q.slots.len();
-            let mut i = q.tail.load(Ordering::Relaxed);
+            let from = q.tail.load(Ordering::Relaxed);
             let end = slot.index as usize;
-            while i != end {
-                // Earlier unsignalled work requests are complete too: release their buffers.
-                drop(Self::take(&q.slots[i]));
-                i = if i + 1 == n { 0 } else { i + 1 };
-            }
+            // The tail moves past this slot *before* any earlier buffer is dropped: should
+            // one of those drops panic, no later completion sweeps from a stale tail into
+            // slots reused for newer, running work requests.
             q.tail
                 .store(if end + 1 == n { 0 } else { end + 1 }, Ordering::Relaxed);
+            if from != end {
+                sweep(q, from, end);
+            }
         }
         Some(q.kind)
     }
@@ -476,6 +514,41 @@ impl WorkQueue {
             .iter()
             .filter(|s| s.state.load(Ordering::Acquire) != FREE)
             .count()
+    }
+}
+
+/// Releases the slots `from..to` of a ring (wrapping): earlier, unsignalled work requests
+/// that a completion retired (they completed before it). If one of those drops panics, the
+/// slots not yet released are still freed for reuse, their data leaked (never dropped
+/// twice, never left claimed), and the panic goes on.
+#[cold]
+#[inline(never)]
+fn sweep(q: &WorkQueue, from: usize, to: usize) {
+    let n = q.slots.len();
+    struct Rest<'a> {
+        q: &'a WorkQueue,
+        i: usize,
+        to: usize,
+        n: usize,
+    }
+    impl Drop for Rest<'_> {
+        fn drop(&mut self) {
+            // Reached with slots left only when a drop below panicked: free the slots, leak
+            // what they held (dropping more now could panic during unwinding).
+            while self.i != self.to {
+                if let Some(d) = WorkQueue::take(&self.q.slots[self.i]) {
+                    std::mem::forget(d);
+                }
+                self.i = if self.i + 1 == self.n { 0 } else { self.i + 1 };
+            }
+        }
+    }
+    let mut rest = Rest { q, i: from, to, n };
+    while rest.i != rest.to {
+        let d = WorkQueue::take(&q.slots[rest.i]);
+        rest.i = if rest.i + 1 == n { 0 } else { rest.i + 1 };
+        // Earlier unsignalled work requests are complete too: release their buffers.
+        drop(d);
     }
 }
 

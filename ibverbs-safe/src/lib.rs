@@ -54,6 +54,61 @@
 //! # }
 //! ```
 //!
+//! # Async completions (feature `tokio`)
+//!
+//! With the optional `tokio` feature (off by default; without it tokio is not a dependency),
+//! `AsyncCompletionQueue` lets a task `.await` completions instead of busy-polling: create
+//! one with `Context::create_async_cq` inside a tokio runtime (IO enabled), build queue
+//! pairs on its `cq()`, then `next_completion().await`, `next_batch(&mut out).await`, or use
+//! it as a `futures_core::Stream` of `Result<Completion>`. Each completion carries its work
+//! request's buffers, exactly as [`CompletionQueue::poll`] hands them back.
+//!
+//! It runs the completion-channel protocol for you: poll; if empty, arm the CQ
+//! (`ibv_req_notify_cq`) and **poll again** — a completion that arrived between the empty
+//! poll and the arm raises no event, and would otherwise sit unseen — then sleep until the
+//! channel's fd (registered with tokio's reactor through `AsyncFd`) is readable, read the
+//! events without blocking and acknowledge them in batches. An idle awaiting task costs no
+//! CPU. The futures are cancellation-safe: dropping one loses no completion.
+//!
+//! **Posting while another task awaits** needs no lock: a [`QueuePair`] (the single
+//! producer, posting takes `&mut`) and the `AsyncCompletionQueue` (the single consumer)
+//! are separate `Send` objects that share no mutable Rust state, so one task (or thread)
+//! owns and posts on the QP while another owns the queue and awaits; buffers come back to
+//! whoever awaits, in the completions.
+//!
+//! ```no_run
+//! # #[cfg(feature = "tokio")]
+//! async fn serve(ctx: ibverbs_safe::Context) -> ibverbs_safe::Result<()> {
+//!     let pd = ctx.alloc_pd()?;
+//!     let mut cq = ctx.create_async_cq(256)?;
+//!     let qp = pd.queue_pair(cq.cq(), cq.cq()).gid_index(1).build_rc()?;
+//!     let mut rx = pd.alloc_region(4096)?;
+//! #   let peer: ibverbs_safe::Endpoint = qp.endpoint();
+//!     let mut qp = qp.connect(&peer)?; // the peer's endpoint, exchanged out of band
+//!     qp.post_recv(rx.slice(..)?, 1).map_err(|e| e.error)?;
+//!
+//!     // One task posts (it owns the QP) ...
+//!     let mut tx = pd.alloc_region(64)?;
+//!     let hello = tx.slice(..5)?;
+//!     hello.write_from(0, b"hello")?;
+//!     let poster = tokio::spawn(async move {
+//!         qp.send(hello, 2).map_err(|e| e.error)?;
+//!         Ok::<_, ibverbs_safe::Error>(qp)
+//!     });
+//!     // ... while this one awaits the completions (it owns the queue).
+//!     for _ in 0..2 {
+//!         let mut c = cq.next_completion().await?;
+//!         c.result()?;
+//!         if let Some(buf) = c.take_buf() {
+//!             println!("wr {} done, {} bytes handed back", c.wr_id(), buf.len());
+//!         }
+//!     }
+//!     let _qp = poster.await.expect("poster task")?;
+//!     Ok(())
+//! }
+//! # fn main() {}
+//! ```
+//!
 //! # DESIGN
 //!
 //! **Layers.** `sys` (private `#[repr(C)]` mirrors of `verbs.h`; 64-bit targets only) →
@@ -74,7 +129,9 @@
 //! [`RegionBuffer`] by value (`Vec<u8>`, `Box<[u8]>`, [`AlignedBuffer`], `memmap2::MmapMut`
 //! for page-aligned, huge-page or file-backed memory). The buffer lives inside the region's
 //! reference-counted registration and is freed only after `ibv_dereg_mr`;
-//! [`MemoryRegion::into_inner`] deregisters and gives it back.
+//! [`MemoryRegion::into_inner`] deregisters and gives it back. If `ibv_dereg_mr` fails the
+//! registration is kept (its keys may still work): `into_inner` gives the region back with
+//! [`Error::DeregMr`], and a region dropped then leaks its buffer rather than free it.
 //!
 //! **Device memory (DMA-BUF).** [`ProtectionDomain::register_dmabuf`] registers a DMA-BUF
 //! range (e.g. GPU memory) with `ibv_reg_dmabuf_mr` (resolved as optional: without it,
@@ -91,7 +148,20 @@
 //! back in the [`Completion`] — success or error, including `WR_FLUSH_ERR` completions after
 //! the QP entered the error state, so every posted buffer comes back. Unsignalled work
 //! requests are retired (their handles dropped) by the next signalled completion of the
-//! same send queue.
+//! same send queue. The ring's tail moves past a completion before the buffers it retires
+//! are dropped, so even a panicking drop (a user buffer's, under `catch_unwind`) cannot make
+//! a later completion release a newer, running request; the slots after the panicking one
+//! are freed and their buffers leaked.
+//!
+//! **One device context, one PD.** The device resolves handles per context and keys per PD.
+//! [`QpBuilder::build`] refuses CQs and an SRQ of another context, and every post refuses
+//! buffers registered in another PD and UD address handles of another PD (including scoped
+//! posts and receives), with [`Error::ForeignObject`], before the provider sees them.
+//!
+//! **Inline data** is copied by the provider's CPU code from the buffer's address during the
+//! post, so it is allowed only for SEND/WRITE sources that are all host memory (never a
+//! [`DeviceMemoryRegion`]'s iova, never READ or atomic targets) and within the QP's granted
+//! `max_inline_data`.
 //!
 //! **CPU access.** A [`MemoryRegion<B, Local>`] lends `&[u8]`/`&mut [u8]` only while no handle
 //! exists (`Arc` uniqueness, checked with Acquire ordering); creating a handle needs
@@ -100,16 +170,24 @@
 //! It offers copying accessors (`read_into`, `write_from`, `read_u64`, done with atomic
 //! loads/stores, never references) and [`MemoryRegion::close_remote_access`], which
 //! re-registers it for local use and deregisters the remote registration (after which no
-//! peer can reach it). Handles, too, only copy.
+//! peer can reach it; if that deregistration fails, the region stays remote and the error is
+//! returned). Handles, too, only copy. Each byte is accessed with one width only, whatever
+//! the handle: the bytes of an 8-aligned word wholly inside the region only as that word
+//! (8-byte atomics; a copy that covers part of it updates it with a compare-and-swap), the
+//! bytes of a word that straddles the region's bounds only with 1-byte atomics — so racing
+//! copies and `read_u64`/`write_u64` are never mixed-size atomic accesses.
 //!
 //! **Scopes borrow instead.** [`QueuePair::scope`] (like `std::thread::scope`) lets work
 //! requests borrow registered memory — `&'env MemoryRegion` for SEND/WRITE sources,
 //! `&'env mut` for READ targets — with no handle per post. The scope cannot end, not even by
-//! a panic, before every work request posted in it completed (it polls the QP's send CQ and
-//! keeps other completions for the next [`CompletionQueue::poll`]); if they do not complete
-//! in time, the QP is moved to ERR to flush them, and failing even that the process aborts
-//! rather than release memory the device may still use. The [`Scope`] is only ever lent
-//! as `&mut` with invariant lifetimes, so `mem::forget`/`swap` cannot skip the wait.
+//! a panic, before every work request posted in it completed. It polls the device CQ
+//! directly (completions of other work are kept for the next [`CompletionQueue::poll`], and
+//! never hide the device from the scope) and checks its deadline every round. If its work
+//! does not complete in time, or polling keeps failing until the deadline, the QP is moved to
+//! ERR to flush it and the scope waits again; failing even that, the process aborts rather
+//! than release memory the device may still use. No path — error, timeout, panic — leaves the
+//! scope with work outstanding. The [`Scope`] is only ever lent as `&mut` with invariant
+//! lifetimes, so `mem::forget`/`swap` cannot skip the wait.
 //!
 //! **Forgetting is sound.** `mem::forget` of a handle or region leaks memory (it stays
 //! registered); forgetting a QP leaks its in-flight table and so the buffers it holds —
@@ -122,9 +200,11 @@
 //! the buffers are leaked instead of freed.
 //!
 //! **Shared CQs.** Any number of QPs (and SRQs) may report to one CQ. Each CQ keeps the
-//! slot tables of every queue attached to it until the CQ itself is destroyed, so a
-//! completion always finds its slot — even a late flushed completion of a QP already
-//! dropped (that one is recognised by the slot's state and ignored). Polling takes
+//! slot table of a queue attached to it until that queue's QP was destroyed *and* a poll
+//! that began after the destruction found the CQ empty, so a completion always finds its
+//! slot — even a late flushed completion of a QP already dropped (recognised by the slot's
+//! state and ignored) — while a server that churns QPs on one long-lived CQ does not grow.
+//! (An SRQ's table stays attached to the CQs of its QPs until those CQs are destroyed.) Polling takes
 //! `&mut CompletionQueue`, so each CQ has one poller; each completion names its QP
 //! ([`Completion::qp_num`]) and queue ([`Completion::queue`]) and carries its own buffers.
 //! Send and receive queues complete in order, so their tables are rings; an SRQ's
@@ -145,7 +225,23 @@
 //!
 //! **Raw layer.** [`QueuePair::post_send_raw`]/[`QueuePair::post_recv_raw`] (unsafe, raw
 //! [`raw::ibv_send_wr`] chains with odd `wr_id`s, so the safe poller can tell them apart)
-//! and [`CompletionQueue::poll_raw`] give experts the bare op-table calls.
+//! and [`CompletionQueue::poll_raw`] give experts the bare op-table calls. `poll_raw`
+//! handing out a completion of a safe-layer work request releases that request's slot and
+//! drops its buffers, so nothing stays in flight. Entry points are resolved by exact symbol
+//! version only: a libibverbs that lacks a version is refused, never bound to another
+//! version's function.
+//!
+//! **When the provider itself fails.** `poll_cq` returning an error: [`CompletionQueue::poll`]
+//! returns [`Error::PollCq`] and consumes nothing; a scope treats it like a timeout (above).
+//! A post the provider rejects hands the buffers back — except from a [`SendBatch`] whose
+//! `bad_wr` names none of its requests: then nothing is known about what was posted, and
+//! every request is kept as posted (its buffers come back with its completion, its flush,
+//! or the QP's destruction) rather than freed. `ibv_destroy_qp`/`ibv_destroy_srq` failing:
+//! the buffers of the still-posted work are leaked, never freed. `ibv_dereg_mr` failing:
+//! see memory regions above. A drop of a user's buffer that panics while a poll hands out
+//! completions propagates, but the completions already taken from the device are kept for
+//! the next poll and no slot stays claimed. What the crate cannot check is a provider that
+//! writes outside the SGEs it was given or reports a `wr_id` it was never given.
 //!
 //! Misuse that does not compile:
 //!
@@ -226,6 +322,8 @@ macro_rules! skip {
 }
 
 mod ah;
+#[cfg(feature = "tokio")]
+mod async_cq;
 mod buffer;
 pub mod cm;
 mod context;
@@ -233,6 +331,10 @@ mod cq;
 mod device;
 mod dmabuf;
 mod error;
+#[cfg(test)]
+mod fake;
+#[cfg(test)]
+mod fault_tests;
 mod gid;
 mod inflight;
 mod loader;
@@ -245,6 +347,8 @@ mod srq;
 mod sys;
 
 pub use ah::{AddressHandle, AhAttr, GlobalRoute};
+#[cfg(feature = "tokio")]
+pub use async_cq::{AsyncCompletionQueue, AsyncCqStats, ACK_BATCH};
 pub use buffer::{huge_pages, page_aligned, AlignedBuffer, RegionBuffer};
 pub use context::{Context, DeviceAttr};
 pub use cq::{Completion, CompletionChannel, CompletionQueue, CqEvent, WcOpcode};

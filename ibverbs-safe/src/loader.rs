@@ -85,27 +85,22 @@ impl Library {
         Ok(Self { handle })
     }
 
-    /// Resolves exactly `name@version` (no fallback), `None` when absent.
+    /// Resolves exactly `name@version`, `None` when absent.
     fn vsym(&self, name: &str, version: &str) -> Option<*mut c_void> {
-        let n = std::ffi::CString::new(name).ok()?;
-        let v = std::ffi::CString::new(version).ok()?;
-        // SAFETY: the handle came from a successful dlopen and both strings are NUL-terminated.
-        let p = unsafe { libc::dlvsym(self.handle, n.as_ptr(), v.as_ptr()) };
-        (!p.is_null()).then_some(p)
+        self.sym(name, version).ok()
     }
 
-    /// Resolves `name@version`, falling back to the unversioned default symbol only when the
-    /// library carries no version information for it.
+    /// Resolves exactly `name@version`, never another version of `name`: a versioned
+    /// library that lacks this version does not provide this ABI, and binding its default
+    /// `name` would call a function of another prototype. A library built without any
+    /// symbol versions still resolves (the dynamic linker accepts unversioned definitions
+    /// for a versioned lookup in an object that has no version information); that is the
+    /// only "fallback" there is, and it is the linker's.
     fn sym(&self, name: &str, version: &str) -> std::result::Result<*mut c_void, String> {
         let n = std::ffi::CString::new(name).map_err(|e| e.to_string())?;
         let v = std::ffi::CString::new(version).map_err(|e| e.to_string())?;
         // SAFETY: the handle came from a successful dlopen and both strings are NUL-terminated.
         let p = unsafe { libc::dlvsym(self.handle, n.as_ptr(), v.as_ptr()) };
-        if !p.is_null() {
-            return Ok(p);
-        }
-        // SAFETY: as above.
-        let p = unsafe { libc::dlsym(self.handle, n.as_ptr()) };
         if p.is_null() {
             Err(format!(
                 "symbol {name}@{version} not found: {}",
@@ -167,8 +162,7 @@ impl Verbs {
                 >(p)
             }
         });
-        // Only the exact versioned symbol: the unversioned fallback of `sym` would accept a
-        // same-named function of another ABI.
+        // Only the exact versioned symbol (as every entry point).
         let reg_dmabuf_mr = lib
             .vsym("ibv_reg_dmabuf_mr", REG_DMABUF_MR_VERSION)
             .map(|p| {
@@ -261,6 +255,40 @@ mod tests {
         assert!(msg.contains("ibverbs-providers"), "{msg}");
         assert!(msg.contains("rdma-core"), "{msg}");
         assert!(msg.contains("libibverbs-does-not-exist"), "{msg}");
+    }
+
+    /// `sym` must not bind a symbol of another version: libc has `memcpy`, but not at
+    /// this version.
+    #[test]
+    fn a_missing_symbol_version_is_not_replaced_by_another() {
+        let lib = Library::open("libc.so.6").expect("glibc");
+        assert!(lib.sym("memcpy", "GLIBC_2.14").is_ok());
+        let r = lib.sym("memcpy", "IBVERBS_1.1");
+        assert!(r.is_err(), "memcpy@IBVERBS_1.1 resolved to another version");
+    }
+
+    /// A library without any version information still resolves: the dynamic linker
+    /// accepts its unversioned definitions for a versioned lookup.
+    #[test]
+    fn an_unversioned_library_resolves() {
+        let dir = std::env::temp_dir().join(format!("ibverbs-safe-sym-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let c = dir.join("f.c");
+        let so = dir.join("libf.so");
+        std::fs::write(&c, "int ibv_fake_fn(void) { return 42; }\n").unwrap();
+        let built = std::process::Command::new("cc")
+            .args(["-shared", "-fPIC", "-o"])
+            .arg(&so)
+            .arg(&c)
+            .status();
+        match built {
+            Ok(s) if s.success() => {
+                let lib = Library::open(so.to_str().unwrap()).unwrap();
+                assert!(lib.sym("ibv_fake_fn", "IBVERBS_1.1").is_ok());
+            }
+            _ => skip!("no C compiler to build an unversioned test library"),
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

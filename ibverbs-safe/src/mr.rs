@@ -88,23 +88,22 @@ unsafe impl Send for MrInner {}
 unsafe impl Sync for MrInner {}
 
 impl MrInner {
-    /// Deregisters (once); `false` if `ibv_dereg_mr` failed, in which case the device may
-    /// still reach the memory.
-    pub(crate) fn dereg(&mut self) -> bool {
+    /// Deregisters (once). On failure the registration is kept (the device may still reach
+    /// the memory through its keys), so the caller must neither free nor lend the memory.
+    pub(crate) fn dereg(&mut self) -> std::io::Result<()> {
         if self.mr.is_null() {
-            return true;
+            return Ok(());
         }
         // SAFETY: `mr` came from ibv_reg_mr/ibv_reg_dmabuf_mr and is deregistered exactly
-        // once; no work request can still use it (each holds an Arc to this struct).
+        // once (nulled only on success); no work request can still use it (each holds an
+        // Arc to this struct).
         let rc = unsafe { (self.pd.inner.ctx.inner.v.dereg_mr)(self.mr) };
-        self.mr = std::ptr::null_mut();
         if rc != 0 {
-            record_drop_failure("ibv_dereg_mr", rc);
-            false
-        } else {
-            DEREGISTRATIONS.fetch_add(1, Ordering::SeqCst);
-            true
+            return Err(crate::error::rc_error(rc));
         }
+        self.mr = std::ptr::null_mut();
+        DEREGISTRATIONS.fetch_add(1, Ordering::SeqCst);
+        Ok(())
     }
 }
 
@@ -113,7 +112,8 @@ impl Drop for MrInner {
         // Deregister first: only then may the buffer (or device-memory owner, dropped after
         // this as the `buf` field) be freed. If deregistration failed, the device may still
         // reach the memory: leak it rather than free it.
-        if !self.dereg() {
+        if let Err(e) = self.dereg() {
+            record_drop_failure("ibv_dereg_mr", e.raw_os_error().unwrap_or(libc::EIO));
             if let Some(b) = self.buf.get_mut().take() {
                 std::mem::forget(b);
             }
@@ -325,6 +325,12 @@ impl<B: RegionBuffer, A: AccessMode> MemoryRegion<B, A> {
         })
     }
 
+    /// The registration's PD, for identity checks.
+    #[inline]
+    pub(crate) fn pd_ptr(&self) -> *const crate::pd::PdInner {
+        Arc::as_ptr(&self.inner.pd.inner)
+    }
+
     /// The scatter/gather element of `range` (for scoped, borrowing work requests).
     #[inline]
     pub(crate) fn sge_of(&self, range: impl RangeBounds<usize>) -> Result<sys::ibv_sge> {
@@ -347,14 +353,14 @@ impl<B: RegionBuffer, A: AccessMode> MemoryRegion<B, A> {
     pub fn read_into(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         let (off, _) = range_of(offset..offset.saturating_add(dst.len()), self.inner.len)?;
         // SAFETY: the range lies inside the live registration.
-        unsafe { copy_out(self.inner.addr.add(off), dst) };
+        unsafe { copy_out(self.inner.addr, self.inner.len, off, dst) };
         Ok(())
     }
 
     fn write_from_impl(&self, offset: usize, src: &[u8]) -> Result<()> {
         let (off, _) = range_of(offset..offset.saturating_add(src.len()), self.inner.len)?;
         // SAFETY: the range lies inside the live registration.
-        unsafe { copy_in(self.inner.addr.add(off), src) };
+        unsafe { copy_in(self.inner.addr, self.inner.len, off, src) };
         Ok(())
     }
 
@@ -371,7 +377,7 @@ impl<B: RegionBuffer, A: AccessMode> MemoryRegion<B, A> {
         }
         // SAFETY: aligned, in bounds, and only ever accessed by the CPU through atomics or
         // exclusive borrows (which cannot coexist with `&self` handles).
-        Ok(unsafe { AtomicU64::from_ptr(p.cast()) }.load(Ordering::Acquire))
+        Ok(unsafe { a64(p.cast()) }.load(Ordering::Acquire))
     }
 
     fn write_u64_impl(&self, offset: usize, value: u64) -> Result<()> {
@@ -382,18 +388,31 @@ impl<B: RegionBuffer, A: AccessMode> MemoryRegion<B, A> {
             return Err(Error::InvalidRequest("u64 access must be 8-byte aligned"));
         }
         // SAFETY: as in read_u64.
-        unsafe { AtomicU64::from_ptr(p.cast()) }.store(value, Ordering::Release);
+        unsafe { a64(p.cast()) }.store(value, Ordering::Release);
         Ok(())
     }
 
     /// Deregisters and returns the buffer, when no handle is outstanding.
     ///
     /// # Errors
-    /// Gives `self` back while [`MrSlice`] handles (or posted work requests) are alive.
-    pub fn into_inner(self) -> std::result::Result<B, Self> {
+    /// Gives `self` back with [`Error::RegionBusy`] while [`MrSlice`] handles (or posted
+    /// work requests) are alive, or with [`Error::DeregMr`] if `ibv_dereg_mr` fails (the
+    /// region stays registered; dropping it tries again, and leaks the buffer rather than
+    /// free it if that fails too).
+    pub fn into_inner(self) -> std::result::Result<B, (Error, Self)> {
+        let n = self.outstanding();
         match Arc::try_unwrap(self.inner) {
             Ok(mut inner) => {
-                inner.dereg();
+                if let Err(e) = inner.dereg() {
+                    // Still registered: the buffer stays inside, and the region with it.
+                    return Err((
+                        Error::DeregMr(e),
+                        MemoryRegion {
+                            inner: Arc::new(inner),
+                            _a: PhantomData,
+                        },
+                    ));
+                }
                 let b = inner
                     .buf
                     .get_mut()
@@ -401,10 +420,13 @@ impl<B: RegionBuffer, A: AccessMode> MemoryRegion<B, A> {
                     .expect("buffer present until into_inner");
                 Ok(*b.downcast::<B>().expect("a MemoryRegion<B> holds a B"))
             }
-            Err(inner) => Err(MemoryRegion {
-                inner,
-                _a: PhantomData,
-            }),
+            Err(inner) => Err((
+                Error::RegionBusy(n),
+                MemoryRegion {
+                    inner,
+                    _a: PhantomData,
+                },
+            )),
         }
     }
 }
@@ -499,8 +521,10 @@ impl<B: RegionBuffer> MemoryRegion<B, Remote> {
     /// region whose bytes can be borrowed. The rkey stops working; the lkey changes.
     ///
     /// # Errors
-    /// Gives `self` back with [`Error::RegionBusy`] while handles are outstanding, or with
-    /// [`Error::RegMr`] if the new registration fails (the old one stays valid).
+    /// Gives `self` back with [`Error::RegionBusy`] while handles are outstanding, with
+    /// [`Error::RegMr`] if the new registration fails, or with [`Error::DeregMr`] if the
+    /// remote registration cannot be deregistered (the region stays remote: the old rkey
+    /// may still work).
     pub fn close_remote_access(
         mut self,
     ) -> std::result::Result<MemoryRegion<B, Local>, (Error, Self)> {
@@ -527,7 +551,16 @@ impl<B: RegionBuffer> MemoryRegion<B, Remote> {
             };
             return Err((e, self));
         }
-        inner.dereg();
+        if let Err(e) = inner.dereg() {
+            // The old rkey may still work: stay remote, and undo the local registration.
+            // SAFETY: `mr` was registered just now and nothing uses it.
+            let rc = unsafe { (inner.pd.inner.ctx.inner.v.dereg_mr)(mr) };
+            if rc != 0 {
+                // Leaked: its lkey was never handed out, so no work request can use it.
+                record_drop_failure("ibv_dereg_mr", rc);
+            }
+            return Err((Error::DeregMr(e), self));
+        }
         inner.mr = mr;
         inner.access = access;
         // SAFETY: `mr` is a valid ibv_mr returned just now.
@@ -694,7 +727,14 @@ impl MrSlice {
         self.host_mapped()?;
         let (off, _) = range_of(offset..offset.saturating_add(dst.len()), self.len as usize)?;
         // SAFETY: in bounds of a live host registration (kept alive by `owner`).
-        unsafe { copy_out((self.addr as *mut u8).add(off), dst) };
+        unsafe {
+            copy_out(
+                self.owner.addr,
+                self.owner.len,
+                self.region_offset() + off,
+                dst,
+            )
+        };
         Ok(())
     }
 
@@ -706,7 +746,14 @@ impl MrSlice {
         self.host_mapped()?;
         let (off, _) = range_of(offset..offset.saturating_add(src.len()), self.len as usize)?;
         // SAFETY: in bounds of a live host registration (kept alive by `owner`).
-        unsafe { copy_in((self.addr as *mut u8).add(off), src) };
+        unsafe {
+            copy_in(
+                self.owner.addr,
+                self.owner.len,
+                self.region_offset() + off,
+                src,
+            )
+        };
         Ok(())
     }
 
@@ -746,12 +793,19 @@ impl MrSlice {
     pub fn read_u64(&self, offset: usize) -> Result<u64> {
         self.host_mapped()?;
         range_of(offset..offset.saturating_add(8), self.len as usize)?;
-        let p = (self.addr as usize + offset) as *mut u64;
+        // SAFETY: in bounds of the live registration (checked above).
+        let p = unsafe { self.owner.addr.add(self.region_offset() + offset) }.cast::<u64>();
         if p as usize % 8 != 0 {
             return Err(Error::InvalidRequest("u64 access must be 8-byte aligned"));
         }
         // SAFETY: aligned and in bounds of a live registration.
-        Ok(unsafe { AtomicU64::from_ptr(p) }.load(Ordering::Acquire))
+        Ok(unsafe { a64(p) }.load(Ordering::Acquire))
+    }
+
+    /// Offset of this handle's first byte in its region.
+    #[inline]
+    fn region_offset(&self) -> usize {
+        (self.addr - self.owner.addr as u64) as usize
     }
 
     /// Whether `other` is a handle into the same registration.
@@ -760,56 +814,140 @@ impl MrSlice {
     }
 }
 
-/// Copies device-shared memory out, word-wise with relaxed atomics (no reference to the
-/// shared bytes is ever formed, and concurrent CPU copies are not data races).
+/// The CPU's access rule for region memory shared with the device and peers: the bytes of
+/// an 8-aligned word that lies wholly inside the region are only ever accessed as that word
+/// (8-byte atomics: `read_u64`/`write_u64`, and the copies below, which load the word, or
+/// store it whole, or update part of it with a compare-and-swap); bytes of a word that
+/// straddles the region's start or end only with 1-byte atomics. The choice depends only on
+/// the address and the region's bounds, so accesses through any handle of the same region
+/// never mix sizes on one byte (racing mixed-size atomics are undefined behaviour in Rust).
+#[inline(always)]
+fn whole_word(rlen: usize, word_off: isize) -> bool {
+    word_off >= 0 && word_off as usize + 8 <= rlen
+}
+
+/// Copies `dst.len()` bytes at `off` out of the region `base..base+rlen` (see
+/// [`whole_word`] for the access widths). No reference to the shared bytes is ever formed,
+/// and concurrent CPU copies are not data races.
 ///
 /// # Safety
-/// `src..src+dst.len()` must be inside a live registration.
-unsafe fn copy_out(src: *mut u8, dst: &mut [u8]) {
-    let mut i = 0;
-    let n = dst.len();
-    while i < n && (src as usize + i) % 8 != 0 {
-        // SAFETY: in bounds (contract); AtomicU8 has no alignment requirement.
-        dst[i] = unsafe { AtomicU8::from_ptr(src.add(i)) }.load(Ordering::Relaxed);
-        i += 1;
-    }
-    while i + 8 <= n {
-        // SAFETY: in bounds and 8-aligned.
-        let w = unsafe { AtomicU64::from_ptr(src.add(i).cast()) }.load(Ordering::Relaxed);
-        dst[i..i + 8].copy_from_slice(&w.to_ne_bytes());
-        i += 8;
-    }
-    while i < n {
-        // SAFETY: in bounds.
-        dst[i] = unsafe { AtomicU8::from_ptr(src.add(i)) }.load(Ordering::Relaxed);
-        i += 1;
+/// `base..base+rlen` is a live host registration and `off + dst.len() <= rlen`.
+unsafe fn copy_out(base: *mut u8, rlen: usize, off: usize, dst: &mut [u8]) {
+    let mis = (base as usize % 8) as isize;
+    let end = off + dst.len();
+    let mut o = off;
+    while o < end {
+        // Offset (from `base`) of the 8-aligned word holding byte `o`.
+        let w = ((o as isize + mis) & !7) - mis;
+        let stop = ((w + 8) as usize).min(end);
+        if whole_word(rlen, w) {
+            // SAFETY: the word lies inside the registration and is 8-aligned.
+            let v = unsafe { a64(base.add(w as usize).cast()) }
+                .load(Ordering::Relaxed)
+                .to_ne_bytes();
+            let i = (o as isize - w) as usize;
+            dst[o - off..stop - off].copy_from_slice(&v[i..i + (stop - o)]);
+        } else {
+            for b in o..stop {
+                // SAFETY: in bounds (contract); AtomicU8 has no alignment requirement.
+                dst[b - off] = unsafe { a8(base.add(b)) }.load(Ordering::Relaxed);
+            }
+        }
+        o = stop;
     }
     std::sync::atomic::fence(Ordering::Acquire);
 }
 
-/// Copies into device-shared memory (see [`copy_out`]).
+/// Copies `src` into the region `base..base+rlen` at `off` (see [`copy_out`]).
 ///
 /// # Safety
-/// `dst..dst+src.len()` must be inside a live registration.
-unsafe fn copy_in(dst: *mut u8, src: &[u8]) {
+/// As [`copy_out`].
+unsafe fn copy_in(base: *mut u8, rlen: usize, off: usize, src: &[u8]) {
     std::sync::atomic::fence(Ordering::Release);
-    let mut i = 0;
-    let n = src.len();
-    while i < n && (dst as usize + i) % 8 != 0 {
-        // SAFETY: in bounds (contract).
-        unsafe { AtomicU8::from_ptr(dst.add(i)) }.store(src[i], Ordering::Relaxed);
-        i += 1;
+    let mis = (base as usize % 8) as isize;
+    let end = off + src.len();
+    let mut o = off;
+    while o < end {
+        let w = ((o as isize + mis) & !7) - mis;
+        let stop = ((w + 8) as usize).min(end);
+        let part = &src[o - off..stop - off];
+        if whole_word(rlen, w) {
+            // SAFETY: the word lies inside the registration and is 8-aligned.
+            let word = unsafe { a64(base.add(w as usize).cast()) };
+            let i = (o as isize - w) as usize;
+            if part.len() == 8 {
+                word.store(
+                    u64::from_ne_bytes(part.try_into().expect("8 bytes")),
+                    Ordering::Relaxed,
+                );
+            } else {
+                // Part of the word: update it whole, keeping the other bytes.
+                let mut cur = word.load(Ordering::Relaxed);
+                loop {
+                    let mut b = cur.to_ne_bytes();
+                    b[i..i + part.len()].copy_from_slice(part);
+                    match word.compare_exchange_weak(
+                        cur,
+                        u64::from_ne_bytes(b),
+                        Ordering::Relaxed,
+                        Ordering::Relaxed,
+                    ) {
+                        Ok(_) => break,
+                        Err(now) => cur = now,
+                    }
+                }
+            }
+        } else {
+            for (k, &x) in part.iter().enumerate() {
+                // SAFETY: in bounds (contract).
+                unsafe { a8(base.add(o + k)) }.store(x, Ordering::Relaxed);
+            }
+        }
+        o = stop;
     }
-    while i + 8 <= n {
-        let w = u64::from_ne_bytes(src[i..i + 8].try_into().expect("8 bytes"));
-        // SAFETY: in bounds and 8-aligned.
-        unsafe { AtomicU64::from_ptr(dst.add(i).cast()) }.store(w, Ordering::Relaxed);
-        i += 8;
+}
+
+/// The one way this module makes an 8-byte atomic view of region memory (recorded in tests).
+///
+/// # Safety
+/// As [`AtomicU64::from_ptr`].
+#[inline(always)]
+unsafe fn a64<'a>(p: *mut u64) -> &'a AtomicU64 {
+    #[cfg(test)]
+    access_log::note(p as usize, 8);
+    // SAFETY: forwarded.
+    unsafe { AtomicU64::from_ptr(p) }
+}
+
+/// The one way this module makes a 1-byte atomic view of region memory (recorded in tests).
+///
+/// # Safety
+/// As [`AtomicU8::from_ptr`].
+#[inline(always)]
+unsafe fn a8<'a>(p: *mut u8) -> &'a AtomicU8 {
+    #[cfg(test)]
+    access_log::note(p as usize, 1);
+    // SAFETY: forwarded.
+    unsafe { AtomicU8::from_ptr(p) }
+}
+
+/// Which widths the CPU used on which addresses (this thread, tests only).
+#[cfg(test)]
+pub(crate) mod access_log {
+    use std::cell::RefCell;
+    thread_local!(static LOG: RefCell<Option<Vec<(usize, usize)>>> = const { RefCell::new(None) });
+    pub(crate) fn note(addr: usize, width: usize) {
+        LOG.with(|l| {
+            if let Some(v) = l.borrow_mut().as_mut() {
+                v.push((addr, width));
+            }
+        });
     }
-    while i < n {
-        // SAFETY: in bounds.
-        unsafe { AtomicU8::from_ptr(dst.add(i)) }.store(src[i], Ordering::Relaxed);
-        i += 1;
+    pub(crate) fn start() {
+        LOG.with(|l| *l.borrow_mut() = Some(Vec::new()));
+    }
+    pub(crate) fn take() -> Vec<(usize, usize)> {
+        LOG.with(|l| l.borrow_mut().take().unwrap_or_default())
     }
 }
 
@@ -868,14 +1006,19 @@ mod tests {
         let mut buf = vec![0u8; 64];
         let p = buf.as_mut_ptr();
         let src: Vec<u8> = (0..37).collect();
-        // SAFETY: in bounds of `buf`, which nothing else accesses meanwhile.
-        unsafe { copy_in(p.add(3), &src) };
-        let mut out = vec![0u8; 37];
-        // SAFETY: as above.
-        unsafe { copy_out(p.add(3), &mut out) };
-        assert_eq!(out, src);
-        assert_eq!(buf[3..40], src[..]);
-        assert_eq!(buf[2], 0);
-        assert_eq!(buf[40], 0);
+        for base in 0..8 {
+            // SAFETY: `p + base .. p + 64` lies in `buf`, which nothing else accesses.
+            let b = unsafe { p.add(base) };
+            let rlen = 64 - base;
+            // SAFETY: as above; 3 + 37 <= rlen.
+            unsafe { copy_in(b, rlen, 3, &src) };
+            let mut out = vec![0u8; 37];
+            // SAFETY: as above.
+            unsafe { copy_out(b, rlen, 3, &mut out) };
+            assert_eq!(out, src);
+            // SAFETY: as above.
+            unsafe { copy_in(b, rlen, 0, &[0u8; 56]) };
+        }
+        assert_eq!(buf, vec![0u8; 64]);
     }
 }

@@ -10,7 +10,7 @@ use crate::sys::{ibv_recv_wr, ibv_sge, ibv_srq, ibv_srq_attr, ibv_srq_init_attr}
 use std::sync::Arc;
 
 pub(crate) struct SrqInner {
-    pd: ProtectionDomain,
+    pub(crate) pd: ProtectionDomain,
     pub(crate) srq: *mut ibv_srq,
     pub(crate) wq: Arc<WorkQueue>,
 }
@@ -106,8 +106,15 @@ impl SharedReceiveQueue {
                 request: bufs,
             });
         }
-        let (sges, n) = recv_sges(&bufs);
-        let mut sges = sges;
+        let (mut sges, n) = match recv_sges(&bufs, &self.inner.pd) {
+            Ok(x) => x,
+            Err(error) => {
+                return Err(PostError {
+                    error,
+                    request: bufs,
+                })
+            }
+        };
         let id = match self.inner.wq.fill(
             &mut self.cursor,
             SlotData {
@@ -155,8 +162,12 @@ impl SharedReceiveQueue {
     }
 }
 
-pub(crate) fn recv_sges(bufs: &SgList) -> ([ibv_sge; MAX_SGE], usize) {
+/// The SGEs of a receive; [`Error::ForeignObject`] for a buffer of another PD than `pd`.
+pub(crate) fn recv_sges(
+    bufs: &SgList,
+    pd: &ProtectionDomain,
+) -> Result<([ibv_sge; MAX_SGE], usize)> {
     let mut sges = [ibv_sge::default(); MAX_SGE];
-    let (n, _) = bufs.encode(&mut sges);
-    (sges, n)
+    let (n, _) = bufs.encode(&mut sges, Arc::as_ptr(&pd.inner))?;
+    Ok((sges, n))
 }

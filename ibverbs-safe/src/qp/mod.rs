@@ -279,6 +279,21 @@ impl<'a> QpBuilder<'a> {
     /// [`Error::QueryPort`], [`Error::QueryGid`], [`Error::CreateQp`], [`Error::ModifyQp`].
     pub fn build<T: Transport>(self) -> Result<PreparedQp<T>> {
         let ctx = self.pd.context();
+        // The kernel resolves the CQ and SRQ handles in the PD's context: objects of another
+        // context would name different objects there (or none), and the QP would report to
+        // a CQ other than the one whose slot tables track it.
+        let same = |c: &crate::context::Context| Arc::ptr_eq(&c.inner, &ctx.inner);
+        if !same(&self.send_cq.inner.ctx) {
+            return Err(Error::ForeignObject("the send CQ"));
+        }
+        if !same(&self.recv_cq.inner.ctx) {
+            return Err(Error::ForeignObject("the receive CQ"));
+        }
+        if let Some(srq) = self.srq {
+            if !same(&srq.inner.pd.inner.ctx) {
+                return Err(Error::ForeignObject("the shared receive queue"));
+            }
+        }
         let port = ctx.query_port(self.p.port)?;
         let gid_index = match (self.p.gid_index, port.link_layer) {
             (Some(i), _) => Some(i),
@@ -407,7 +422,7 @@ fn random_psn(qpn: u32) -> u32 {
 
 /// The state shared by every typestate of a QP; owns the verbs QP and its slot tables.
 pub(crate) struct QpCore {
-    pd: ProtectionDomain,
+    pub(crate) pd: ProtectionDomain,
     pub(crate) qp: *mut ibv_qp,
     _send_cq: Arc<CqInner>,
     _recv_cq: Arc<CqInner>,
@@ -454,8 +469,10 @@ impl Drop for QpCore {
             return;
         }
         self.sq.release_all();
+        self._send_cq.retire(&self.sq);
         if let Some(rq) = &self.rq {
             rq.release_all();
+            self._recv_cq.retire(rq);
         }
     }
 }
@@ -474,7 +491,15 @@ impl QpCore {
                 request: bufs,
             });
         }
-        let (mut sges, n) = recv_sges(&bufs);
+        let (mut sges, n) = match recv_sges(&bufs, &self.pd) {
+            Ok(x) => x,
+            Err(error) => {
+                return Err(PostError {
+                    error,
+                    request: bufs,
+                })
+            }
+        };
         let id = match rq.fill(
             &mut self.rq_head,
             SlotData {
@@ -866,9 +891,9 @@ impl CompletionQueue {
     /// Polls raw work completions (no buffer hand-back): for work posted with the raw layer.
     ///
     /// Completions kept back by a [`QueuePair::scope`] are not returned here (only by
-    /// [`poll`](Self::poll)). Completions of work requests posted through the safe API should
-    /// not be polled this way: their buffers then stay in flight until a later completion of the same queue
-    /// retires them or the QP is dropped (sound, but the queue fills up).
+    /// [`poll`](Self::poll)). A completion of a work request posted through the safe API
+    /// that is polled this way releases that request's buffers (they are dropped, not handed
+    /// back) and its slot, so nothing stays in flight.
     ///
     /// # Errors
     /// [`Error::PollCq`].
@@ -885,8 +910,28 @@ impl CompletionQueue {
         if n < 0 {
             return Err(Error::PollCq(rc_error(n)));
         }
-        Ok(n as usize)
+        let n = (n as usize).min(out.len());
+        for wc in &out[..n] {
+            if wc.wr_id & 1 == 0 {
+                release_slot(wc.wr_id);
+            }
+        }
+        Ok(n)
     }
+}
+
+/// Releases the safe-layer slot named by a raw-polled completion (dropping its buffers).
+#[cold]
+#[inline(never)]
+fn release_slot(wr_id: u64) {
+    // The buffers are moved out of the claimed slot and dropped after it is free again.
+    let mut bufs = SgList::new();
+    // SAFETY: even wr_ids are slot addresses of queues attached to the polling CQ, which
+    // keeps them alive; `&mut CompletionQueue` makes the caller the single poller.
+    unsafe {
+        crate::inflight::WorkQueue::complete_with(wr_id, |d| bufs.move_into_empty(&mut d.bufs));
+    }
+    drop(bufs);
 }
 
 /// Refuses a raw work-request chain holding an even `wr_id`: even ids are the safe layer's

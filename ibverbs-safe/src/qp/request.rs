@@ -6,10 +6,12 @@ use crate::ah::{AddressHandle, AhAttr};
 use crate::error::{rc_error, Error, Result};
 use crate::inflight::{SgList, SlotData, MAX_SGE};
 use crate::mr::{MrSlice, RemoteMemory};
+use crate::pd::PdInner;
 use crate::qp::Endpoint;
 use crate::result::ops;
 use crate::sys::{self, *};
 use std::mem::MaybeUninit;
+use std::sync::Arc;
 
 /// The destination of a UD send: address handle, remote QP number and Q_Key.
 #[derive(Clone, Debug)]
@@ -152,11 +154,15 @@ impl SendRequest {
         &self,
         max_sge: usize,
         max_inline: u32,
+        pd: *const PdInner,
         wr: &mut ibv_send_wr,
         sges: &mut [ibv_sge; MAX_SGE],
     ) -> Result<()> {
-        let (n, total) = self.bufs.encode(sges);
+        let (n, total) = self.bufs.encode(sges, pd)?;
         self.shape::<T>(total).check(max_sge, max_inline)?;
+        if self.flags & sys::IBV_SEND_INLINE != 0 {
+            self.check_inline_host()?;
+        }
         wr.next = std::ptr::null_mut();
         wr.sg_list = sges.as_mut_ptr();
         wr.num_sge = n as i32;
@@ -166,6 +172,11 @@ impl SendRequest {
         match &self.op {
             Op::Send => wr.opcode = with_imm(IBV_WR_SEND, IBV_WR_SEND_WITH_IMM),
             Op::SendTo(d) => {
+                // The address handle must be of the QP's PD (and so its context): the
+                // provider reads it as one of its own.
+                if !std::ptr::eq(Arc::as_ptr(&d.ah.inner.pd.inner), pd) {
+                    return Err(Error::ForeignObject("the address handle"));
+                }
                 wr.opcode = with_imm(IBV_WR_SEND, IBV_WR_SEND_WITH_IMM);
                 wr.wr.ud = ibv_send_wr_ud {
                     ah: d.ah.as_ptr(),
@@ -211,6 +222,19 @@ impl SendRequest {
             }
         }
         Ok(())
+    }
+
+    /// The provider copies inline data from the buffers' addresses with the CPU: device
+    /// memory has no host mapping there (an iova the user chose).
+    #[inline(never)]
+    fn check_inline_host(&self) -> Result<()> {
+        if self.bufs.all_host() {
+            Ok(())
+        } else {
+            Err(Error::InvalidRequest(
+                "inline data must be host memory (not a device-memory region)",
+            ))
+        }
     }
 
     /// What the host-side checks look at (see [`SendShape::check`]).
@@ -310,6 +334,11 @@ impl SendShape {
         if self.nbufs > max_sge {
             return Err(Error::InvalidRequest(
                 "more buffers than the QP's max_send_sge",
+            ));
+        }
+        if self.inline && matches!(self.class, OpClass::Read | OpClass::Atomic) {
+            return Err(Error::InvalidRequest(
+                "inline is for SEND/WRITE sources, not READ or atomic targets",
             ));
         }
         if self.inline && self.total > max_inline as u64 {
@@ -455,6 +484,7 @@ impl<T: Transport> QueuePair<T> {
         if let Err(error) = req.encode::<T>(
             self.core.max_send_sge,
             self.core.max_inline,
+            Arc::as_ptr(&self.core.pd.inner),
             &mut wr,
             &mut sges,
         ) {
@@ -538,6 +568,7 @@ impl<T: Transport> QueuePair<T> {
         let mut sges = [[ibv_sge::default(); MAX_SGE]; MAX_BATCH];
         let mut ids = [0u64; MAX_BATCH];
         let core = &mut self.core;
+        let pd = Arc::as_ptr(&core.pd.inner);
         let mut filled = 0;
         let mut err = None;
         let mut cursor = core.sq_head;
@@ -546,9 +577,13 @@ impl<T: Transport> QueuePair<T> {
                 .as_ref()
                 .expect("batch entries below len are Some");
             let mut wr = blank_wr();
-            if let Err(e) =
-                req.encode::<T>(core.max_send_sge, core.max_inline, &mut wr, &mut sges[i])
-            {
+            if let Err(e) = req.encode::<T>(
+                core.max_send_sge,
+                core.max_inline,
+                pd,
+                &mut wr,
+                &mut sges[i],
+            ) {
                 err = Some(e);
                 break;
             }
@@ -592,15 +627,18 @@ impl<T: Transport> QueuePair<T> {
                 }
             }
         }
-        // Chain what was filled (the sg_list pointers already point into `sges`).
+        // Chain what was filled. Every pointer into `wrs` comes from one base pointer, and
+        // `wrs` is not touched through references after this, so the chain stays valid.
+        let base = wrs.as_mut_ptr().cast::<ibv_send_wr>();
         for i in 0..filled {
             let next = if i + 1 < filled {
-                wrs[i + 1].as_mut_ptr()
+                // SAFETY: `i + 1 < filled <= MAX_BATCH`: inside `wrs`.
+                unsafe { base.add(i + 1) }
             } else {
                 std::ptr::null_mut()
             };
-            // SAFETY: entries below `filled` were written above.
-            let w = unsafe { wrs[i].assume_init_mut() };
+            // SAFETY: entries below `filled` were written above; reached through `base`.
+            let w = unsafe { &mut *base.add(i) };
             w.wr_id = ids[i];
             w.sg_list = sges[i].as_mut_ptr();
             w.next = next;
@@ -610,12 +648,16 @@ impl<T: Transport> QueuePair<T> {
             let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
             // SAFETY: the QP is live; the chain of `filled` initialised WRs and their SGEs
             // is valid for the call; the buffers are owned by their slots.
-            let rc = unsafe { ops::post_send(core.qp, wrs[0].as_mut_ptr(), &mut bad) };
+            let rc = unsafe { ops::post_send(core.qp, base, &mut bad) };
             if rc != 0 {
-                // Everything from `bad` on was not posted: take those slots back.
+                // Everything from `bad` on was not posted: take those slots back. A `bad`
+                // that names none of them says nothing about what the provider took: keep
+                // every request as posted (its buffers come back with its completion, a
+                // flush, or the QP's destruction) rather than free what the device may use.
                 let first_bad = (0..filled)
-                    .find(|&i| std::ptr::eq(wrs[i].as_ptr(), bad))
-                    .unwrap_or(0);
+                    // SAFETY: `i < filled`: inside `wrs` (only the address is compared).
+                    .find(|&i| std::ptr::eq(unsafe { base.add(i) }, bad))
+                    .unwrap_or(filled);
                 posted = first_bad;
                 for (i, &id) in ids.iter().enumerate().take(filled).skip(first_bad) {
                     if let Some(d) = core.sq.unfill(id) {
@@ -836,33 +878,40 @@ mod tests {
         };
         // READ and atomics are RC-only.
         let read = SendRequest::read(SgList::new(), remote);
-        assert!(read.encode::<Rc>(1, 0, &mut wr, &mut sges).is_ok());
+        assert!(read
+            .encode::<Rc>(1, 0, std::ptr::null(), &mut wr, &mut sges)
+            .is_ok());
         assert_eq!(wr.opcode, IBV_WR_RDMA_READ);
         // SAFETY: the rdma member was just written by encode.
         assert_eq!(unsafe { wr.wr.rdma.rkey }, 7);
-        assert!(read.encode::<Uc>(1, 0, &mut wr, &mut sges).is_err());
-        assert!(read.encode::<Ud>(1, 0, &mut wr, &mut sges).is_err());
+        assert!(read
+            .encode::<Uc>(1, 0, std::ptr::null(), &mut wr, &mut sges)
+            .is_err());
+        assert!(read
+            .encode::<Ud>(1, 0, std::ptr::null(), &mut wr, &mut sges)
+            .is_err());
         // Immediate data is carried in network byte order.
         let w = SendRequest::write(SgList::new(), remote).imm(0x0102_0304);
-        w.encode::<Uc>(1, 0, &mut wr, &mut sges).unwrap();
+        w.encode::<Uc>(1, 0, std::ptr::null(), &mut wr, &mut sges)
+            .unwrap();
         assert_eq!(wr.opcode, IBV_WR_RDMA_WRITE_WITH_IMM);
         assert_eq!(wr.imm_data, 0x0102_0304u32.to_be());
         // Plain SEND needs a destination on UD; READ cannot carry immediate data.
         assert!(SendRequest::send(SgList::new())
-            .encode::<Ud>(1, 0, &mut wr, &mut sges)
+            .encode::<Ud>(1, 0, std::ptr::null(), &mut wr, &mut sges)
             .is_err());
         assert!(SendRequest::read(SgList::new(), remote)
             .imm(1)
-            .encode::<Rc>(1, 0, &mut wr, &mut sges)
+            .encode::<Rc>(1, 0, std::ptr::null(), &mut wr, &mut sges)
             .is_err());
         // Unsignalled clears the flag; the default is signalled.
         SendRequest::send(SgList::new())
             .unsignaled()
-            .encode::<Rc>(1, 0, &mut wr, &mut sges)
+            .encode::<Rc>(1, 0, std::ptr::null(), &mut wr, &mut sges)
             .unwrap();
         assert_eq!(wr.send_flags & IBV_SEND_SIGNALED, 0);
         SendRequest::send(SgList::new())
-            .encode::<Rc>(1, 0, &mut wr, &mut sges)
+            .encode::<Rc>(1, 0, std::ptr::null(), &mut wr, &mut sges)
             .unwrap();
         assert_eq!(wr.send_flags & IBV_SEND_SIGNALED, IBV_SEND_SIGNALED);
     }

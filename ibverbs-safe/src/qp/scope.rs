@@ -51,17 +51,18 @@ impl<T: Transport> std::fmt::Debug for Scope<'_, '_, T> {
 impl<T: Transport> QueuePair<T> {
     /// Runs `f` with a [`Scope`] whose work requests borrow registered memory instead of
     /// owning handles (no reference counting per post). `cq` must be this QP's send CQ.
-    /// When `f` returns (or panics), the scope polls `cq` until every work request it posted
-    /// has completed; completions of other work polled meanwhile are kept in `cq` and handed
-    /// out by its next [`poll`](CompletionQueue::poll). If they do not all complete within
-    /// `timeout`, the QP is moved to the error state (which flushes them) and waited for
-    /// again; should even that fail, the process aborts rather than release borrowed memory
-    /// the device may still use.
+    /// When `f` returns (or panics), the scope polls the device CQ until every work request
+    /// it posted has completed; completions of other work polled meanwhile are kept in `cq`
+    /// and handed out by its next [`poll`](CompletionQueue::poll). If they do not all
+    /// complete within `timeout` (or polling fails until then), the QP is moved to the error
+    /// state (which flushes them) and waited for again; should even that fail, the process
+    /// aborts rather than release borrowed memory the device may still use.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] if `cq` is not the QP's send CQ; [`Error::Completion`]
     /// with the first error status of a scoped work request; [`Error::Timeout`] if they had
-    /// to be flushed; [`Error::PollCq`].
+    /// to be flushed; [`Error::PollCq`] if they had to be flushed because polling failed
+    /// (in every case, nothing posted in the scope is outstanding any more).
     pub fn scope<'env, R>(
         &mut self,
         cq: &mut CompletionQueue,
@@ -89,11 +90,21 @@ impl<T: Transport> QueuePair<T> {
 
 impl<'scope, 'env, T: Transport> Scope<'scope, 'env, T> {
     #[inline]
-    fn post(&mut self, req: SendRequest, sge: ibv_sge, wr_id: u64) -> Result<()> {
+    fn post(
+        &mut self,
+        req: SendRequest,
+        sge: ibv_sge,
+        mr_pd: *const crate::pd::PdInner,
+        wr_id: u64,
+    ) -> Result<()> {
         let core = &mut self.qp.core;
         let mut sges = [ibv_sge::default(); MAX_SGE];
         let mut wr = super::request::blank_wr();
-        req.encode::<T>(core.max_send_sge, core.max_inline, &mut wr, &mut sges)?;
+        let pd = std::sync::Arc::as_ptr(&core.pd.inner);
+        req.encode::<T>(core.max_send_sge, core.max_inline, pd, &mut wr, &mut sges)?;
+        if !std::ptr::eq(pd, mr_pd) {
+            return Err(Error::ForeignObject("the borrowed region"));
+        }
         if let Some(r) = req.remote_len() {
             if sge.length as u64 > r {
                 return Err(Error::OutOfBounds {
@@ -149,7 +160,7 @@ impl<'scope, 'env, T: Transport> Scope<'scope, 'env, T> {
         wr_id: u64,
     ) -> Result<()> {
         let sge = mr.sge_of(range)?;
-        self.post(SendRequest::send(SgList::new()), sge, wr_id)
+        self.post(SendRequest::send(SgList::new()), sge, mr.pd_ptr(), wr_id)
     }
 
     /// RDMA WRITE `range` of a borrowed region to `remote`.
@@ -165,7 +176,12 @@ impl<'scope, 'env, T: Transport> Scope<'scope, 'env, T> {
         wr_id: u64,
     ) -> Result<()> {
         let sge = mr.sge_of(range)?;
-        self.post(SendRequest::write(SgList::new(), remote), sge, wr_id)
+        self.post(
+            SendRequest::write(SgList::new(), remote),
+            sge,
+            mr.pd_ptr(),
+            wr_id,
+        )
     }
 
     /// RDMA READ `remote` into `range` of an exclusively borrowed local region.
@@ -181,7 +197,12 @@ impl<'scope, 'env, T: Transport> Scope<'scope, 'env, T> {
         wr_id: u64,
     ) -> Result<()> {
         let sge = mr.sge_of(range)?;
-        self.post(SendRequest::read(SgList::new(), remote), sge, wr_id)
+        self.post(
+            SendRequest::read(SgList::new(), remote),
+            sge,
+            mr.pd_ptr(),
+            wr_id,
+        )
     }
 
     /// Work requests of this scope not completed yet.
@@ -216,40 +237,57 @@ impl<'scope, 'env, T: Transport> Scope<'scope, 'env, T> {
         }
     }
 
-    /// Waits until nothing of this scope is outstanding (see [`QueuePair::scope`]).
-    fn wait(&mut self, timeout: Duration) -> Result<bool> {
+    /// Polls the device CQ (not the stash, which holds no completion of this scope) until
+    /// nothing of this scope is outstanding; other completions are stashed for the next
+    /// [`CompletionQueue::poll`]. The deadline is checked every round, and a failing poll
+    /// is retried until it passes. `Err` (with the first poll error, if any) when work is
+    /// still outstanding at the deadline.
+    fn wait(&mut self, timeout: Duration) -> std::result::Result<(), Option<Error>> {
         let start = Instant::now();
         let mut buf: [Completion; 8] = Default::default();
+        let mut first_err = None;
         while self.outstanding > 0 {
-            let n = self.cq.poll(&mut buf)?;
+            let n = match self.cq.poll_device(&mut buf, 0) {
+                Ok(n) => n,
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                    0
+                }
+            };
             for c in &mut buf[..n] {
                 if !self.count(c) {
                     self.cq.stash.push_back(std::mem::take(c));
                 }
             }
+            if self.outstanding == 0 {
+                break;
+            }
+            if start.elapsed() > timeout {
+                return Err(first_err);
+            }
             if n == 0 {
-                if start.elapsed() > timeout {
-                    return Ok(false);
-                }
                 std::thread::yield_now();
             }
         }
-        Ok(true)
+        Ok(())
     }
 
+    /// Ends the scope: on return nothing posted in it is outstanding. A wait that fails
+    /// (timeout, or polls that keep failing) moves the QP to ERR, which flushes the rest,
+    /// and waits again; failing even that, the process aborts.
     fn finish(&mut self) -> Result<()> {
-        if !self.wait(self.timeout)? {
+        if let Err(cause) = self.wait(self.timeout) {
             // Flush what is left, then wait for the flush completions.
             let mut a = ibv_qp_attr {
                 qp_state: sys::IBV_QPS_ERR,
                 ..Default::default()
             };
             let _ = self.qp.core.modify(&mut a, sys::IBV_QP_STATE, "ERR");
-            if !matches!(self.wait(self.timeout), Ok(true)) {
+            if self.wait(self.timeout).is_err() {
                 eprintln!("ibverbs-safe: scoped work requests never completed; aborting to keep borrowed memory safe");
                 std::process::abort();
             }
-            return Err(Error::Timeout(self.timeout));
+            return Err(cause.unwrap_or(Error::Timeout(self.timeout)));
         }
         match self.first_error.take() {
             Some(s) => Err(Error::Completion(s)),
