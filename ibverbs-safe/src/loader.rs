@@ -286,7 +286,7 @@ mod tests {
                 let lib = Library::open(so.to_str().unwrap()).unwrap();
                 assert!(lib.sym("ibv_fake_fn", "IBVERBS_1.1").is_ok());
             }
-            _ => skip!("no C compiler to build an unversioned test library"),
+            _ => skip!("cc", "no C compiler to build an unversioned test library"),
         }
         let _ = std::fs::remove_dir_all(&dir);
     }
