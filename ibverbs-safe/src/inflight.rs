@@ -142,16 +142,15 @@ impl SgList {
         self.as_slice().iter()
     }
 
-    /// Writes the scatter/gather elements; returns their number and total length, or
-    /// [`Error::ForeignObject`](crate::Error::ForeignObject) when a buffer is registered
-    /// in another protection domain than `pd` (its lkey means nothing there — or, on
-    /// another device, possibly another region of `pd`).
+    /// Writes the scatter/gather elements; returns their number, their total length, and
+    /// whether a buffer is registered in another protection domain than `pd` (its lkey
+    /// means nothing there — or, on another device, possibly another region of `pd`).
     #[inline]
     pub(crate) fn encode(
         &self,
         sges: &mut [crate::sys::ibv_sge; MAX_SGE],
         pd: *const crate::pd::PdInner,
-    ) -> crate::Result<(usize, u64)> {
+    ) -> (usize, u64, bool) {
         let items = self.as_slice();
         let mut total = 0u64;
         let mut foreign = false;
@@ -160,10 +159,7 @@ impl SgList {
             total += s.len() as u64;
             foreign |= !std::ptr::eq(Arc::as_ptr(&s.owner.pd.inner), pd);
         }
-        if foreign {
-            return Err(foreign_buffer());
-        }
-        Ok((items.len(), total))
+        (items.len(), total, foreign)
     }
 
     /// Whether every buffer is host memory the CPU may read (not device memory).
@@ -259,12 +255,6 @@ macro_rules! sglist_from_array {
     )*};
 }
 sglist_from_array!(1, 2, 3, 4);
-
-#[cold]
-#[inline(never)]
-fn foreign_buffer() -> crate::Error {
-    crate::Error::ForeignObject("a buffer of the work request")
-}
 
 /// What one slot holds while its work request is in flight.
 pub(crate) struct SlotData {

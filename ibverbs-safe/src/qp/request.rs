@@ -158,11 +158,12 @@ impl SendRequest {
         wr: &mut ibv_send_wr,
         sges: &mut [ibv_sge; MAX_SGE],
     ) -> Result<()> {
-        let (n, total) = self.bufs.encode(sges, pd)?;
-        self.shape::<T>(total).check(max_sge, max_inline)?;
-        if self.flags & sys::IBV_SEND_INLINE != 0 {
-            self.check_inline_host()?;
+        let (n, total, foreign) = self.bufs.encode(sges, pd);
+        let mut r = self.shape::<T>(total).check(max_sge, max_inline);
+        if foreign | (self.flags & sys::IBV_SEND_INLINE != 0) {
+            r = r.and_then(|()| self.check_buffers(foreign));
         }
+        r?;
         wr.next = std::ptr::null_mut();
         wr.sg_list = sges.as_mut_ptr();
         wr.num_sge = n as i32;
@@ -224,17 +225,21 @@ impl SendRequest {
         Ok(())
     }
 
-    /// The provider copies inline data from the buffers' addresses with the CPU: device
-    /// memory has no host mapping there (an iova the user chose).
+    /// The checks of the buffers themselves, out of line: none is from another PD, and
+    /// inline data is host memory (the provider copies it from the buffers' addresses with
+    /// the CPU: device memory has no host mapping there, only an iova the user chose).
+    #[cold]
     #[inline(never)]
-    fn check_inline_host(&self) -> Result<()> {
-        if self.bufs.all_host() {
-            Ok(())
-        } else {
-            Err(Error::InvalidRequest(
-                "inline data must be host memory (not a device-memory region)",
-            ))
+    fn check_buffers(&self, foreign: bool) -> Result<()> {
+        if foreign {
+            return Err(Error::ForeignObject("a buffer of the work request"));
         }
+        if self.flags & sys::IBV_SEND_INLINE != 0 && !self.bufs.all_host() {
+            return Err(Error::InvalidRequest(
+                "inline data must be host memory (not a device-memory region)",
+            ));
+        }
+        Ok(())
     }
 
     /// What the host-side checks look at (see [`SendShape::check`]).
