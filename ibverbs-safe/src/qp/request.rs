@@ -341,15 +341,17 @@ impl SendShape {
                 "more buffers than the QP's max_send_sge",
             ));
         }
-        if self.inline && matches!(self.class, OpClass::Read | OpClass::Atomic) {
-            return Err(Error::InvalidRequest(
-                "inline is for SEND/WRITE sources, not READ or atomic targets",
-            ));
-        }
-        if self.inline && self.total > max_inline as u64 {
-            return Err(Error::InvalidRequest(
-                "inline data larger than the QP's max_inline_data",
-            ));
+        if self.inline {
+            if matches!(self.class, OpClass::Read | OpClass::Atomic) {
+                return Err(Error::InvalidRequest(
+                    "inline is for SEND/WRITE sources, not READ or atomic targets",
+                ));
+            }
+            if self.total > max_inline as u64 {
+                return Err(Error::InvalidRequest(
+                    "inline data larger than the QP's max_inline_data",
+                ));
+            }
         }
         let (raddr, rlen) = self.remote.unwrap_or((0, 0));
         let check_remote = || {
