@@ -142,24 +142,26 @@ impl SgList {
         self.as_slice().iter()
     }
 
-    /// Writes the scatter/gather elements; returns their number, their total length, and
-    /// whether a buffer is registered in another protection domain than `pd` (its lkey
-    /// means nothing there — or, on another device, possibly another region of `pd`).
+    /// Writes the scatter/gather elements; returns their number and total length.
     #[inline]
-    pub(crate) fn encode(
-        &self,
-        sges: &mut [crate::sys::ibv_sge; MAX_SGE],
-        pd: *const crate::pd::PdInner,
-    ) -> (usize, u64, bool) {
+    pub(crate) fn encode(&self, sges: &mut [crate::sys::ibv_sge; MAX_SGE]) -> (usize, u64) {
         let items = self.as_slice();
         let mut total = 0u64;
-        let mut foreign = false;
         for (sge, s) in sges.iter_mut().zip(items) {
             *sge = s.sge();
             total += s.len() as u64;
-            foreign |= !std::ptr::eq(Arc::as_ptr(&s.owner.pd.inner), pd);
         }
-        (items.len(), total, foreign)
+        (items.len(), total)
+    }
+
+    /// Whether a buffer is registered in another protection domain than `pd` (its lkey
+    /// means nothing there — or, on another device, possibly another region of `pd`).
+    /// Only asked while several PDs are alive ([`crate::pd::several`]).
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn any_foreign(&self, pd: *const crate::pd::PdInner) -> bool {
+        self.iter()
+            .any(|s| !std::ptr::eq(Arc::as_ptr(&s.owner.pd.inner), pd))
     }
 
     /// Whether every buffer is host memory the CPU may read (not device memory).

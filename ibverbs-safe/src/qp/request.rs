@@ -158,10 +158,10 @@ impl SendRequest {
         wr: &mut ibv_send_wr,
         sges: &mut [ibv_sge; MAX_SGE],
     ) -> Result<()> {
-        let (n, total, foreign) = self.bufs.encode(sges, pd);
+        let (n, total) = self.bufs.encode(sges);
         let mut r = self.shape::<T>(total).check(max_sge, max_inline);
-        if foreign | (self.flags & sys::IBV_SEND_INLINE != 0) {
-            r = r.and_then(|()| self.check_buffers(foreign));
+        if crate::pd::several() || self.flags & sys::IBV_SEND_INLINE != 0 {
+            r = r.and_then(|()| self.check_buffers(pd));
         }
         r?;
         wr.next = std::ptr::null_mut();
@@ -225,13 +225,14 @@ impl SendRequest {
         Ok(())
     }
 
-    /// The checks of the buffers themselves, out of line: none is from another PD, and
+    /// The checks of the buffers themselves, out of line (asked only while several PDs are
+    /// alive, or for inline data): none is from another PD, and
     /// inline data is host memory (the provider copies it from the buffers' addresses with
     /// the CPU: device memory has no host mapping there, only an iova the user chose).
     #[cold]
     #[inline(never)]
-    fn check_buffers(&self, foreign: bool) -> Result<()> {
-        if foreign {
+    fn check_buffers(&self, pd: *const PdInner) -> Result<()> {
+        if crate::pd::several() && self.bufs.any_foreign(pd) {
             return Err(Error::ForeignObject("a buffer of the work request"));
         }
         if self.flags & sys::IBV_SEND_INLINE != 0 && !self.bufs.all_host() {
