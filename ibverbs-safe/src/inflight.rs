@@ -389,6 +389,18 @@ impl WorkQueue {
         slot as *const Slot as u64
     }
 
+    /// Lends the data of a slot just filled (not yet handed to the provider) to `f`.
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn check_filled<R>(&self, wr_id: u64, f: impl FnOnce(&SlotData) -> R) -> R {
+        // SAFETY: `wr_id` was returned by `fill` on this queue just now: the slot is POSTED
+        // with initialised data, and until the work request is handed to the provider only
+        // its producer (the caller, `&mut` owner of the QP) can reach it.
+        let slot = unsafe { &*(wr_id as *const Slot) };
+        // SAFETY: as above; shared read of initialised data.
+        slot.data.with_mut(|p| f(unsafe { (*p).assume_init_ref() }))
+    }
+
     #[inline]
     pub(crate) fn advance(&self, cursor: &mut usize) {
         let next = *cursor + 1;
