@@ -456,13 +456,14 @@ impl Completion {
 }
 
 /// What a poll has not handed out yet, should a buffer's drop panic midway (its `Drop` runs
-/// only then): the completions already written to `out[..k]` go to the
-/// stash, the raw ones from `k` on that were taken from the device stay pending; the next
-/// poll hands out both, in order.
+/// only then): the completions already written to `out[..done + k]` go to the stash, the raw
+/// ones from `k` on that were taken from the device stay pending; the next poll hands out
+/// both, in order.
 struct Unhanded<'a> {
     stash: &'a mut std::collections::VecDeque<Completion>,
     pending: &'a mut std::collections::VecDeque<ibv_wc>,
     out: *mut Completion,
+    done: usize,
     wcs: *const ibv_wc,
     k: usize,
     n: usize,
@@ -471,8 +472,8 @@ struct Unhanded<'a> {
 impl Drop for Unhanded<'_> {
     fn drop(&mut self) {
         // Runs only on unwinding (a finished poll forgets the guard).
-        for i in 0..self.k {
-            // SAFETY: `out` has at least `n` entries, exclusively borrowed by the poll.
+        for i in 0..self.done + self.k {
+            // SAFETY: `out` has at least `done + n` entries, exclusively borrowed by the poll.
             self.stash
                 .push_back(std::mem::take(unsafe { &mut *self.out.add(i) }));
         }
@@ -578,20 +579,21 @@ impl CompletionQueue {
                 return Err(Error::PollCq(rc_error(n)));
             }
             let n = (n as usize).min(want);
-            let base = out[done..done + n].as_mut_ptr();
+            let base = out[..done + n].as_mut_ptr();
             let first: *const ibv_wc = wcs.as_ptr().cast();
             let mut left = Unhanded {
                 stash: &mut self.stash,
                 pending: &mut self.pending,
                 out: base,
+                done,
                 wcs: first,
                 k: 0,
                 n,
             };
             for i in 0..n {
-                // SAFETY: `i < n`: inside the exclusively borrowed `out[done..done + n]`,
-                // reached only through `base` while `left` lives.
-                let o = unsafe { &mut *base.add(i) };
+                // SAFETY: `done + i < done + n`: inside the exclusively borrowed
+                // `out[..done + n]`, reached only through `base` while `left` lives.
+                let o = unsafe { &mut *base.add(done + i) };
                 o.clear_bufs();
                 // From here on nothing can panic before `o` holds the completion.
                 left.k += 1;

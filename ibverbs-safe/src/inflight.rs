@@ -142,28 +142,26 @@ impl SgList {
         self.as_slice().iter()
     }
 
-    /// Writes the scatter/gather elements; returns their number and total length, or
-    /// [`Error::ForeignObject`](crate::Error::ForeignObject) when a buffer is registered
-    /// in another protection domain than `pd` (its lkey means nothing there — or, on
-    /// another device, possibly another region of `pd`).
+    /// Writes the scatter/gather elements; returns their number and total length.
     #[inline]
-    pub(crate) fn encode(
-        &self,
-        sges: &mut [crate::sys::ibv_sge; MAX_SGE],
-        pd: *const crate::pd::PdInner,
-    ) -> crate::Result<(usize, u64)> {
+    pub(crate) fn encode(&self, sges: &mut [crate::sys::ibv_sge; MAX_SGE]) -> (usize, u64) {
         let items = self.as_slice();
         let mut total = 0u64;
-        let mut foreign = false;
         for (sge, s) in sges.iter_mut().zip(items) {
             *sge = s.sge();
             total += s.len() as u64;
-            foreign |= !std::ptr::eq(Arc::as_ptr(&s.owner.pd.inner), pd);
         }
-        if foreign {
-            return Err(foreign_buffer());
-        }
-        Ok((items.len(), total))
+        (items.len(), total)
+    }
+
+    /// Whether a buffer is registered in another protection domain than `pd` (its lkey
+    /// means nothing there — or, on another device, possibly another region of `pd`).
+    /// Only asked while several PDs are alive ([`crate::pd::several`]).
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn any_foreign(&self, pd: *const crate::pd::PdInner) -> bool {
+        self.iter()
+            .any(|s| !std::ptr::eq(Arc::as_ptr(&s.owner.pd.inner), pd))
     }
 
     /// Whether every buffer is host memory the CPU may read (not device memory).
@@ -259,12 +257,6 @@ macro_rules! sglist_from_array {
     )*};
 }
 sglist_from_array!(1, 2, 3, 4);
-
-#[cold]
-#[inline(never)]
-fn foreign_buffer() -> crate::Error {
-    crate::Error::ForeignObject("a buffer of the work request")
-}
 
 /// What one slot holds while its work request is in flight.
 pub(crate) struct SlotData {
@@ -395,6 +387,18 @@ impl WorkQueue {
         slot.data.with_mut(|p| unsafe { (*p).write(data) });
         slot.state.store(POSTED, Ordering::Release);
         slot as *const Slot as u64
+    }
+
+    /// Lends the data of a slot just filled (not yet handed to the provider) to `f`.
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn check_filled<R>(&self, wr_id: u64, f: impl FnOnce(&SlotData) -> R) -> R {
+        // SAFETY: `wr_id` was returned by `fill` on this queue just now: the slot is POSTED
+        // with initialised data, and until the work request is handed to the provider only
+        // its producer (the caller, `&mut` owner of the QP) can reach it.
+        let slot = unsafe { &*(wr_id as *const Slot) };
+        // SAFETY: as above; shared read of initialised data.
+        slot.data.with_mut(|p| f(unsafe { (*p).assume_init_ref() }))
     }
 
     #[inline]

@@ -156,7 +156,9 @@
 //! **One device context, one PD.** The device resolves handles per context and keys per PD.
 //! [`QpBuilder::build`] refuses CQs and an SRQ of another context, and every post refuses
 //! buffers registered in another PD and UD address handles of another PD (including scoped
-//! posts and receives), with [`Error::ForeignObject`], before the provider sees them.
+//! posts and receives), with [`Error::ForeignObject`], before the provider sees them. (The
+//! per-buffer check runs while more than one PD is alive in the process; with a single PD
+//! every buffer is of it, and the hot path pays one load for knowing so.)
 //!
 //! **Inline data** is copied by the provider's CPU code from the buffer's address during the
 //! post, so it is allowed only for SEND/WRITE sources that are all host memory (never a

@@ -168,6 +168,9 @@ pub(crate) fn recv_sges(
     pd: &ProtectionDomain,
 ) -> Result<([ibv_sge; MAX_SGE], usize)> {
     let mut sges = [ibv_sge::default(); MAX_SGE];
-    let (n, _) = bufs.encode(&mut sges, Arc::as_ptr(&pd.inner))?;
+    let (n, _) = bufs.encode(&mut sges);
+    if crate::pd::several() && bufs.any_foreign(Arc::as_ptr(&pd.inner)) {
+        return Err(Error::ForeignObject("a buffer of the work request"));
+    }
     Ok((sges, n))
 }

@@ -101,7 +101,7 @@ impl<'scope, 'env, T: Transport> Scope<'scope, 'env, T> {
         let mut sges = [ibv_sge::default(); MAX_SGE];
         let mut wr = super::request::blank_wr();
         let pd = std::sync::Arc::as_ptr(&core.pd.inner);
-        req.encode::<T>(core.max_send_sge, core.max_inline, pd, &mut wr, &mut sges)?;
+        req.encode::<T, false>(core.max_send_sge, core.max_inline, pd, &mut wr, &mut sges)?;
         if !std::ptr::eq(pd, mr_pd) {
             return Err(Error::ForeignObject("the borrowed region"));
         }
