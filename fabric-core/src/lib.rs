@@ -55,8 +55,12 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+#[cfg(not(fabric_loom))]
+pub mod domain;
 mod error;
+pub mod memory;
 pub mod region;
+pub mod registry;
 pub mod ring;
 mod sync;
 pub mod tracker;
@@ -68,8 +72,11 @@ pub mod backend;
 pub mod bootstrap;
 pub mod sys;
 
+#[cfg(not(fabric_loom))]
+pub use domain::{Domain, MemorySupport};
 pub use error::{DecodeError, Error, Result};
-pub use region::{Access, Buf, Region};
+pub use memory::{AlignedBuf, Plain, RegisterMemory};
+pub use region::{Access, Buf, LocalMut, LocalRef, Region};
 pub use transport::{
     AtomicOp, Capabilities, Completion, MemoryKinds, MessageOrdering, OpKind, PostError,
     PostResult, RemoteKey, Status, Transport, TransportKind,

@@ -106,7 +106,7 @@ struct Slot {
 /// The shared bookkeeping of one connection.
 #[derive(Debug)]
 pub struct Tracker {
-    conn: u64,
+    owner: u64,
     kind: TransportKind,
     caps: Capabilities,
     slots: Vec<Slot>,
@@ -120,11 +120,13 @@ pub struct Tracker {
 }
 
 impl Tracker {
-    /// A tracker for connection `conn` with `caps.max_in_flight` slots.
-    pub fn new(conn: u64, kind: TransportKind, caps: Capabilities) -> Self {
+    /// A tracker for a connection whose buffers must belong to `owner` (its domain's id;
+    /// the connection's own id for backends that register per connection), with
+    /// `caps.max_in_flight` slots.
+    pub fn new(owner: u64, kind: TransportKind, caps: Capabilities) -> Self {
         let n = caps.max_in_flight.max(1);
         Tracker {
-            conn,
+            owner,
             kind,
             caps,
             slots: (0..n).map(|_| Slot { gen: 0, op: None }).collect(),
@@ -138,9 +140,9 @@ impl Tracker {
         }
     }
 
-    /// The connection id buffers must belong to.
-    pub fn conn(&self) -> u64 {
-        self.conn
+    /// The owner id (domain) buffers must belong to.
+    pub fn owner(&self) -> u64 {
+        self.owner
     }
 
     /// The capabilities it validates against.
@@ -191,8 +193,8 @@ impl Tracker {
             return Err(Error::Disconnected(why.clone()));
         }
         let r = &buf.region().inner;
-        if r.owner != self.conn {
-            return Err(Error::Foreign("buffer registered on another connection"));
+        if r.owner != self.owner {
+            return Err(Error::Foreign("buffer registered in another domain"));
         }
         let max = self.caps.max_message;
         let remote = |key: &RemoteKey, off: u64, len: usize, need: Access, what| {
@@ -403,7 +405,8 @@ impl Tracker {
         }
     }
 
-    /// Records a registered region (backends call this from `register`).
+    /// Records a region registered per connection (backends without a domain call this
+    /// from `register`; their ids are not reused).
     pub fn add_region(&mut self, region: Region) {
         let id = region.id() as usize;
         if self.regions.len() <= id {
@@ -463,7 +466,7 @@ mod tests {
     fn region(t: &mut Tracker, len: usize, access: Access) -> Region {
         let r = Region::anonymous(
             t.next_region_id(),
-            t.conn(),
+            t.owner(),
             TransportKind::Tcp,
             access,
             len,
