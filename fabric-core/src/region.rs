@@ -1,12 +1,15 @@
 //! Registered memory: [`Region`] (a whole registration) and [`Buf`] (an owned slice of one,
 //! handed to an operation and returned by its completion).
 //!
-//! Region memory may be written by the peer at any time (one-sided writes, atomics), so it
-//! is never exposed as `&[u8]`/`&mut [u8]`: it is read and written by explicit copies
-//! ([`Region::read_at`], [`Region::write_at`], [`Buf::copy_from`], [`Buf::copy_to`]) and
-//! 8-byte atomics. Concurrent copies into the same bytes (by this process's threads or the
-//! peer) leave unspecified bytes there, exactly as a concurrent peer write would; they
-//! never touch memory outside the region.
+//! Memory a peer may write (one-sided writes, atomics) is never exposed as
+//! `&[u8]`/`&mut [u8]`: it is read and written by explicit copies ([`Region::read_at`],
+//! [`Region::write_at`], [`Buf::copy_from`], [`Buf::copy_to`]) and 8-byte atomics.
+//! Concurrent copies into the same bytes (by this process's threads or the peer) leave
+//! unspecified bytes there, exactly as a concurrent peer write would; they never touch
+//! memory outside the region. A region no peer may write ([`Region::is_lendable`]) lends
+//! its bytes without a copy ([`Region::bytes`], [`Region::bytes_mut`]); it counts its
+//! slices and copies, so a borrow and an operation (or a copy) never overlap: whichever
+//! comes second gets [`Error::Busy`].
 #![allow(unsafe_code)]
 
 use std::fmt;

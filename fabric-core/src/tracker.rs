@@ -505,8 +505,53 @@ mod tests {
         // Foreign buffer.
         let other = Region::anonymous(0, 99, TransportKind::Tcp, Access::empty(), 8).unwrap();
         let e = t.post(OpDesc::Send, other.full(), 1).unwrap_err();
-        assert!(matches!(e.error, Error::Foreign(_)));
+        assert!(
+            matches!(e.error, Error::Foreign(w) if w.contains("domain")),
+            "{}",
+            e.error
+        );
         assert_eq!(t.in_flight(), 0);
+    }
+
+    #[test]
+    fn a_remote_key_of_another_transport_is_refused() {
+        let mut t = Tracker::new(7, TransportKind::Tcp, caps(4));
+        let r = region(&mut t, 64, Access::REMOTE_WRITE | Access::REMOTE_READ);
+        let good = r.remote_key().unwrap();
+        for kind in [
+            TransportKind::Shm,
+            TransportKind::Verbs,
+            TransportKind::CudaIpc,
+        ] {
+            let key = RemoteKey {
+                transport: kind,
+                ..good
+            };
+            for desc in [
+                OpDesc::Write { key, off: 0 },
+                OpDesc::Read { key, off: 0 },
+                OpDesc::Atomic {
+                    key,
+                    off: 0,
+                    op: AtomicOp::FetchAdd { add: 1 },
+                },
+            ] {
+                let e = t.post(desc, r.slice(0, 8).unwrap(), 1).unwrap_err();
+                assert!(
+                    matches!(e.error, Error::Foreign(w) if w.contains("transport")),
+                    "{kind} key accepted for {desc:?}: {}",
+                    e.error
+                );
+            }
+        }
+        // The same key with its own transport passes.
+        t.post(
+            OpDesc::Write { key: good, off: 0 },
+            r.slice(0, 8).unwrap(),
+            1,
+        )
+        .unwrap();
+        assert_eq!(t.in_flight(), 1);
     }
 
     #[test]

@@ -139,7 +139,7 @@ pub trait Connector: Send + fmt::Debug {
     fn poll_connect(&mut self) -> Result<Option<Box<dyn Transport>>>;
 }
 
-/// Starts listening on `kind`, in a fresh [`Domain`](crate::Domain) of its own (use
+/// Starts listening on `kind`, in a fresh [`Domain`] of its own (use
 /// [`Domain::listen`](crate::Domain::listen) to share registrations among connections).
 ///
 /// # Errors
