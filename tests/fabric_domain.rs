@@ -447,3 +447,56 @@ fn tcp_a_million_registrations_stay_bounded() {
     let _serial = serial();
     churn(TransportKind::Tcp, 0);
 }
+
+/// GPU memory (DMA-BUF exported by nvlink-p2p): shm and tcp refuse it with a typed
+/// `Unsupported`; verbs registers it where the NIC can (GPUDirect RDMA) and says
+/// `Unsupported` where it cannot (Soft-RoCE). Needs a GPU to export the DMA-BUF.
+#[test]
+fn gpu_memory_registration_is_verbs_only_and_typed_elsewhere() {
+    let _serial = serial();
+    let cuda = match nvlink_p2p::Cuda::init() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("skipped: no GPU (CUDA driver: {e}); GPU memory registration unverified");
+            return;
+        }
+    };
+    let dev = match cuda.device(0) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("skipped: no GPU ({e}); GPU memory registration unverified");
+            return;
+        }
+    };
+    let buf = std::sync::Arc::new(dev.alloc(1 << 20).expect("GPU allocation"));
+    let export = || nvlink_p2p::DmaBuf::export(&buf, 0, 1 << 20);
+    if let Err(e) = export() {
+        eprintln!("skipped: DMA-BUF export unavailable ({e}); GPU memory registration unverified");
+        return;
+    }
+    for kind in [TransportKind::Shm, TransportKind::Tcp] {
+        let d = Domain::open(kind, &Options::default()).unwrap();
+        let e = d
+            .register_dmabuf(export().unwrap(), Access::REMOTE_WRITE)
+            .unwrap_err();
+        assert!(matches!(e, Error::Unsupported { .. }), "{kind}: {e}");
+    }
+    match Domain::open(TransportKind::Verbs, &Options::default()) {
+        Err(e) => eprintln!("skipped: no RDMA device ({e}); GPUDirect RDMA unverified"),
+        Ok(d) => match d.register_dmabuf(export().unwrap(), Access::REMOTE_WRITE) {
+            Err(e @ Error::Unsupported { .. }) => {
+                println!("GPUDirect RDMA unavailable on this NIC (typed): {e}")
+            }
+            Err(e) => panic!("verbs DMA-BUF registration: {e}"),
+            Ok(r) => {
+                // Host copies go through the driver; the key carries the device address.
+                r.write_at(0, b"gpu").unwrap();
+                let mut b = [0u8; 3];
+                r.read_at(0, &mut b).unwrap();
+                assert_eq!(&b, b"gpu");
+                assert!(matches!(r.bytes(), Err(Error::AccessDenied(_))));
+                println!("GPUDirect RDMA registration works (data path not exercised here)");
+            }
+        },
+    }
+}

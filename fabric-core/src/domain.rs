@@ -21,6 +21,40 @@ use crate::region::{random_u64, Access, Memory, Parts, Region, RegionInner, Revo
 use crate::registry::{Entry, Registry};
 use crate::transport::{MemoryKinds, Status, TransportKind};
 
+/// GPU memory behind a region registered with [`Domain::register_dmabuf`]: host copies go
+/// through the CUDA driver.
+#[derive(Debug)]
+struct GpuMemory {
+    memory: Arc<dyn nvlink_p2p::DeviceMemory>,
+    /// Where the region starts inside `memory`.
+    start: usize,
+}
+
+fn gpu_err(e: nvlink_p2p::Error) -> Error {
+    Error::Io {
+        op: "CUDA copy",
+        source: std::io::Error::other(e.to_string()),
+    }
+}
+
+impl crate::region::DeviceBacking for GpuMemory {
+    fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
+        nvlink_p2p::copy_from_host(&*self.memory, self.start + offset, src).map_err(gpu_err)
+    }
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        nvlink_p2p::copy_to_host(&*self.memory, self.start + offset, dst).map_err(gpu_err)
+    }
+    fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<()> {
+        nvlink_p2p::fill(&*self.memory, self.start + offset, len, byte).map_err(gpu_err)
+    }
+    fn addr(&self) -> u64 {
+        self.memory.device_ptr() + self.start as u64
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
 /// What a backend contributes to a registration.
 #[derive(Default)]
 pub(crate) struct Registered {
@@ -56,6 +90,16 @@ pub(crate) trait DomainBackend: Send + Sync + fmt::Debug {
     fn register(&self, _ptr: *mut u8, _len: usize, _access: Access) -> Result<Registered> {
         Ok(Registered::default())
     }
+    /// Registers GPU memory exported as a DMA-BUF (verbs: `ibv_reg_dmabuf_mr`); the
+    /// registration keeps `buf`'s memory alive until it is released.
+    fn register_dmabuf(&self, _buf: nvlink_p2p::DmaBuf, _access: Access) -> Result<Registered> {
+        Err(Error::Unsupported {
+            transport: self.kind(),
+            what: "GPU memory (DMA-BUF) registration",
+        })
+    }
+    /// The backend's kind.
+    fn kind(&self) -> TransportKind;
     /// A region was published in the registry (shm: announce it to every peer).
     fn published(&self, _r: &Region) {}
     /// A region was released (shm: revoke it at every peer).
@@ -246,7 +290,13 @@ impl Domain {
         let access = access | Access::LOCAL_WRITE;
         self.inner.backend.admit(Source::Allocated, access)?;
         let (mem, fd) = self.inner.backend.allocate(len)?;
-        self.finish(mem, fd, len, access)
+        let ptr = match &mem {
+            Memory::Mapped(m) => m.as_mut_ptr(),
+            Memory::Caller { ptr, .. } => *ptr,
+            Memory::Placeholder(m) => m.as_mut_ptr(),
+        };
+        let reg = self.inner.backend.register(ptr, len, access)?;
+        self.finish(mem, fd, None, reg, len, access)
     }
 
     /// Registers memory the caller owns, in place (no copy): `Vec<u8>`, `Box<[u8]>`,
@@ -294,27 +344,39 @@ impl Domain {
             len,
             keep: Some(keep),
         };
-        self.finish(mem, None, len, access)
+        let reg = self.inner.backend.register(ptr, len, access)?;
+        self.finish(mem, None, None, reg, len, access)
+    }
+
+    /// Registers GPU memory exported by `nvlink-p2p` as a DMA-BUF (GPUDirect RDMA: the NIC
+    /// reads and writes it directly). Only the verbs backend can; the region's byte copies
+    /// ([`Region::write_at`], ...) go through the CUDA driver, and its remote key carries
+    /// the device address.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] on backends without GPUDirect RDMA (shm, tcp), and on verbs
+    /// when the device, provider or kernel cannot register DMA-BUF memory (Soft-RoCE
+    /// cannot); [`Error::Io`] when the registration fails otherwise.
+    pub fn register_dmabuf(&self, buf: nvlink_p2p::DmaBuf, access: Access) -> Result<Region> {
+        let access = access | Access::LOCAL_WRITE;
+        let memory = buf.memory().clone();
+        let start = (buf.device_ptr() - memory.device_ptr()) as usize;
+        let len = buf.len();
+        let reg = self.inner.backend.register_dmabuf(buf, access)?;
+        let device: Box<dyn crate::region::DeviceBacking> = Box::new(GpuMemory { memory, start });
+        let mem = Memory::Placeholder(crate::region::anon_map(1)?);
+        self.finish(mem, None, Some(device), reg, len, access)
     }
 
     fn finish(
         &self,
         mem: Memory,
         fd: Option<Arc<OwnedFd>>,
+        device: Option<Box<dyn crate::region::DeviceBacking>>,
+        reg: Registered,
         len: usize,
         access: Access,
     ) -> Result<Region> {
-        let ptr = match &mem {
-            Memory::Mapped(m) => m.as_mut_ptr(),
-            Memory::Caller { ptr, .. } => *ptr,
-            Memory::Placeholder(_) => {
-                return Err(Error::Unsupported {
-                    transport: self.kind(),
-                    what: "device memory through a host domain",
-                })
-            }
-        };
-        let reg = self.inner.backend.register(ptr, len, access)?;
         let (id, gen) = lock(&self.inner.registry)
             .reserve()
             .ok_or(Error::WouldBlock("registration table (2^32 regions)"))?;
@@ -333,6 +395,7 @@ impl Domain {
             backing: reg.backing,
             rkey: reg.rkey,
             revoke: Some(revoke),
+            device,
         });
         lock(&self.inner.registry).publish(
             id,

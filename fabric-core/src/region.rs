@@ -181,6 +181,8 @@ pub(crate) struct Parts {
     pub(crate) backing: Option<Box<dyn std::any::Any + Send + Sync>>,
     pub(crate) rkey: u32,
     pub(crate) revoke: Option<Arc<dyn Revoke>>,
+    /// Device memory (then `mem` is a placeholder).
+    pub(crate) device: Option<Box<dyn DeviceBacking>>,
 }
 
 impl Region {
@@ -199,7 +201,7 @@ impl Region {
                 backing: p.backing,
                 rkey: p.rkey,
                 fd: p.fd,
-                device: None,
+                device: p.device,
                 lend: Lend::new(),
                 mem: p.mem,
             }),
@@ -275,6 +277,7 @@ impl Region {
             backing: None,
             rkey: 0,
             revoke: None,
+            device: None,
         }))
     }
 
@@ -618,8 +621,9 @@ impl fmt::Debug for LocalMut<'_> {
 /// Who uses a lendable region's bytes: slices and copies ("users", low 32 bits), shared
 /// borrows (bits 32..63) and an exclusive borrow (bit 63). Users exclude borrows; shared
 /// borrows exclude users and the exclusive one.
+/// (Its atomic comes from the `sync` shim: `tests/loom_region.rs` checks it under loom.)
 #[derive(Debug)]
-struct Lend(AtomicU64);
+struct Lend(crate::sync::AtomicU64);
 
 const LEND_EXCL: u64 = 1 << 63;
 const LEND_SHARED: u64 = 1 << 32;
@@ -627,11 +631,15 @@ const LEND_USERS: u64 = LEND_SHARED - 1;
 
 impl Lend {
     fn new() -> Self {
-        Lend(AtomicU64::new(0))
+        Lend(crate::sync::AtomicU64::new(0))
     }
     fn update(&self, f: impl Fn(u64) -> Option<u64>, why: &'static str) -> Result<()> {
         self.0
-            .fetch_update(Ordering::Acquire, Ordering::Relaxed, f)
+            .fetch_update(
+                crate::sync::Ordering::Acquire,
+                crate::sync::Ordering::Relaxed,
+                f,
+            )
             .map(|_| ())
             .map_err(|_| Error::Busy(why))
     }
@@ -642,7 +650,7 @@ impl Lend {
         )
     }
     fn use_end(&self) {
-        self.0.fetch_sub(1, Ordering::Release);
+        self.0.fetch_sub(1, crate::sync::Ordering::Release);
     }
     fn shared_begin(&self) -> Result<()> {
         self.update(
@@ -654,7 +662,8 @@ impl Lend {
         )
     }
     fn shared_end(&self) {
-        self.0.fetch_sub(LEND_SHARED, Ordering::Release);
+        self.0
+            .fetch_sub(LEND_SHARED, crate::sync::Ordering::Release);
     }
     fn exclusive_begin(&self) -> Result<()> {
         self.update(
@@ -663,7 +672,7 @@ impl Lend {
         )
     }
     fn exclusive_end(&self) {
-        self.0.fetch_and(!LEND_EXCL, Ordering::Release);
+        self.0.fetch_and(!LEND_EXCL, crate::sync::Ordering::Release);
     }
 }
 

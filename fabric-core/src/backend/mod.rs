@@ -255,6 +255,9 @@ impl DomainBackend for ConnectionScoped {
     fn as_any(&self) -> &dyn std::any::Any {
         self
     }
+    fn kind(&self) -> TransportKind {
+        TransportKind::CudaIpc
+    }
     fn memory(&self) -> MemorySupport {
         MemorySupport {
             allocated: MemoryKinds::CUDA_DEVICE,

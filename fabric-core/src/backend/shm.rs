@@ -157,6 +157,9 @@ impl DomainBackend for ShmDomain {
     fn as_any(&self) -> &dyn std::any::Any {
         self
     }
+    fn kind(&self) -> TransportKind {
+        TransportKind::Shm
+    }
     fn memory(&self) -> MemorySupport {
         MemorySupport {
             allocated: MemoryKinds::HOST,

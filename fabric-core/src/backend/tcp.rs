@@ -56,6 +56,9 @@ impl DomainBackend for TcpDomain {
     fn as_any(&self) -> &dyn std::any::Any {
         self
     }
+    fn kind(&self) -> TransportKind {
+        TransportKind::Tcp
+    }
     fn memory(&self) -> MemorySupport {
         MemorySupport {
             allocated: MemoryKinds::HOST,

@@ -82,16 +82,7 @@ impl DomainBackend for VerbsDomain {
     }
 
     fn register(&self, ptr: *mut u8, len: usize, access: Access) -> Result<Registered> {
-        let mut ra = ib::RemoteAccess::empty();
-        if access.contains(Access::REMOTE_WRITE) {
-            ra |= ib::RemoteAccess::WRITE;
-        }
-        if access.contains(Access::REMOTE_READ) {
-            ra |= ib::RemoteAccess::READ;
-        }
-        if access.contains(Access::REMOTE_ATOMIC) {
-            ra |= ib::RemoteAccess::ATOMIC;
-        }
+        let ra = remote_access(access);
         let mut mr: Mr = self
             .pd
             .register_remote(
@@ -110,17 +101,58 @@ impl DomainBackend for VerbsDomain {
             .slice(..len.min(u32::MAX as usize))
             .map_err(|e| Error::Protocol(e.to_string()))?;
         Ok(Registered {
-            backing: Some(Box::new(Backing { _mr: mr, full })),
+            backing: Some(Box::new(Backing {
+                _mr: Box::new(mr),
+                full,
+            })),
             rkey,
         })
+    }
+
+    fn register_dmabuf(&self, buf: nvlink_p2p::DmaBuf, access: Access) -> Result<Registered> {
+        let ra = remote_access(access);
+        let (fd, offset, len, iova, memory) = buf.into_parts();
+        let mr = self
+            .pd
+            .register_dmabuf(fd.as_fd(), offset, len, iova, ra, memory)
+            .map_err(|e| {
+                if e.is_unsupported() {
+                    Error::Unsupported {
+                        transport: TransportKind::Verbs,
+                        what: "GPU memory (DMA-BUF) on this device, provider or kernel \
+                               (Soft-RoCE cannot; rdma-core >= 34 and a GPUDirect-capable \
+                               NIC are needed)",
+                    }
+                } else {
+                    Error::Io {
+                        op: "ibv_reg_dmabuf_mr",
+                        source: io::Error::other(e.to_string()),
+                    }
+                }
+            })?;
+        let rkey = mr.rkey();
+        let full = mr
+            .slice(..len.min(u32::MAX as usize))
+            .map_err(|e| Error::Protocol(e.to_string()))?;
+        Ok(Registered {
+            backing: Some(Box::new(Backing {
+                _mr: Box::new(mr),
+                full,
+            })),
+            rkey,
+        })
+    }
+
+    fn kind(&self) -> TransportKind {
+        TransportKind::Verbs
     }
 
     fn memory(&self) -> MemorySupport {
         MemorySupport {
             allocated: MemoryKinds::HOST,
             allocated_remote: MemoryKinds::HOST,
-            caller: MemoryKinds::HOST,
-            caller_remote: MemoryKinds::HOST,
+            caller: MemoryKinds::HOST | MemoryKinds::CUDA_DEVICE,
+            caller_remote: MemoryKinds::HOST | MemoryKinds::CUDA_DEVICE,
         }
     }
 
@@ -131,6 +163,20 @@ impl DomainBackend for VerbsDomain {
     fn connect(&self, d: &Domain, address: &str) -> Result<Box<dyn Connector>> {
         Ok(Box::new(VerbsConnector::connect(address, d)?))
     }
+}
+
+fn remote_access(access: Access) -> ib::RemoteAccess {
+    let mut ra = ib::RemoteAccess::empty();
+    if access.contains(Access::REMOTE_WRITE) {
+        ra |= ib::RemoteAccess::WRITE;
+    }
+    if access.contains(Access::REMOTE_READ) {
+        ra |= ib::RemoteAccess::READ;
+    }
+    if access.contains(Access::REMOTE_ATOMIC) {
+        ra |= ib::RemoteAccess::ATOMIC;
+    }
+    ra
 }
 
 fn verbs_domain(d: &Domain) -> Result<&VerbsDomain> {
@@ -228,7 +274,8 @@ type Mr = ib::MemoryRegion<RawMem, ib::Remote>;
 /// A region's verbs registration and a handle over all of it (sub-handles are cut from it
 /// per post without touching the registration).
 struct Backing {
-    _mr: Mr,
+    /// The host MR or the DMA-BUF device MR.
+    _mr: Box<dyn std::any::Any + Send + Sync>,
     full: ib::MrSlice,
 }
 
