@@ -500,3 +500,52 @@ fn gpu_memory_registration_is_verbs_only_and_typed_elsewhere() {
         },
     }
 }
+
+/// Device, port and GID selection: an absent device or port and an out-of-range GID index
+/// are typed errors naming what was asked; the first listed device with an active port
+/// can be chosen by name and port.
+#[test]
+fn verbs_device_selection() {
+    let _serial = serial();
+    let nics = match fabric_core::topology::nics() {
+        Ok(n) => n,
+        Err(e) => {
+            eprintln!("skipped: no RDMA device (libibverbs: {e})");
+            return;
+        }
+    };
+    let Some(nic) = nics.iter().find(|n| n.is_active()) else {
+        eprintln!(
+            "skipped: no RDMA device with an active port ({} listed)",
+            nics.len()
+        );
+        return;
+    };
+    let port = nic.ports.iter().find(|p| p.active).unwrap().port;
+    let open = |dev: &str, port: Option<u8>, gid: Option<u8>| {
+        let opts = Options {
+            verbs_device: Some(dev.to_string()),
+            verbs_port: port,
+            verbs_gid_index: gid,
+            ..Options::default()
+        };
+        Domain::open(TransportKind::Verbs, &opts)
+    };
+    let e = open("no_such_nic", None, None).unwrap_err();
+    assert!(
+        matches!(&e, Error::Unavailable { reason, .. } if reason.contains("no_such_nic")),
+        "{e}"
+    );
+    let e = open(&nic.name, Some(200), None).unwrap_err();
+    assert!(
+        matches!(&e, Error::Unavailable { reason, .. } if reason.contains("200")),
+        "{e}"
+    );
+    let e = open(&nic.name, Some(port), Some(255)).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+    let d = open(&nic.name, Some(port), None).expect("the listed device opens");
+    let r = d
+        .register_memory(vec![0u8; 4096], Access::REMOTE_WRITE)
+        .unwrap();
+    assert!(r.remote_key().is_some());
+}

@@ -86,6 +86,8 @@ pub mod region;
 pub mod registry;
 pub mod ring;
 mod sync;
+#[cfg(not(fabric_loom))]
+pub mod topology;
 pub mod tracker;
 pub mod transport;
 

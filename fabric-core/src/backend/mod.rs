@@ -95,6 +95,13 @@ pub struct Options {
     ///
     /// [`pair`]: crate::bootstrap::pair
     pub tcp_secret: Option<Vec<u8>>,
+    /// The RDMA device a verbs domain opens (`FABRIC_VERBS_DEVICE` by default; else the
+    /// first with an active port). See [`topology::nics`](crate::topology::nics).
+    pub verbs_device: Option<String>,
+    /// The port (else the device's first active one).
+    pub verbs_port: Option<u8>,
+    /// The GID index (RoCE; else the first RoCE v2 IPv4-mapped GID, or the first non-zero).
+    pub verbs_gid_index: Option<u8>,
 }
 
 impl Default for Options {
@@ -108,6 +115,9 @@ impl Default for Options {
             tcp_bind: "127.0.0.1:0".into(),
             handshake_timeout: Duration::from_secs(10),
             tcp_secret: None,
+            verbs_device: std::env::var("FABRIC_VERBS_DEVICE").ok(),
+            verbs_port: None,
+            verbs_gid_index: None,
         }
     }
 }

@@ -61,8 +61,8 @@ impl std::fmt::Debug for VerbsDomain {
 }
 
 impl VerbsDomain {
-    fn open(_opts: &Options) -> Result<Self> {
-        let (device, port, gid) = probe()?;
+    fn open(opts: &Options) -> Result<Self> {
+        let (device, port, gid) = probe_with(opts)?;
         let e = |e: ib::Error| unavailable(e.to_string());
         let ctx = ib::open(Some(&device)).map_err(e)?;
         let pd = ctx.alloc_pd().map_err(e)?;
@@ -199,12 +199,18 @@ fn unavailable(reason: impl Into<String>) -> Error {
     }
 }
 
-/// Device, port and GID index to use: `FABRIC_VERBS_DEVICE` if set, else the first device
-/// with an active port; on Ethernet the first RoCE v2 IPv4-mapped GID (else the first
-/// non-zero one).
+/// Device, port and GID index to use with default options.
 fn probe() -> Result<(String, u8, Option<u8>)> {
+    probe_with(&Options::default())
+}
+
+/// Device, port and GID index to use: [`Options::verbs_device`] (default
+/// `FABRIC_VERBS_DEVICE`) if set, else the first device with an active port;
+/// [`Options::verbs_port`] if set, else its first active port; [`Options::verbs_gid_index`]
+/// if set, else on Ethernet the first RoCE v2 IPv4-mapped GID (else the first non-zero one).
+fn probe_with(opts: &Options) -> Result<(String, u8, Option<u8>)> {
     let devs = ib::devices().map_err(|e| unavailable(e.to_string()))?;
-    let want = std::env::var("FABRIC_VERBS_DEVICE").ok();
+    let want = opts.verbs_device.clone();
     for d in devs {
         if want.as_deref().is_some_and(|w| w != d.name) {
             continue;
@@ -216,11 +222,23 @@ fn probe() -> Result<(String, u8, Option<u8>)> {
             continue;
         };
         for port in 1..=attr.phys_port_cnt {
+            if opts.verbs_port.is_some_and(|w| w != port) {
+                continue;
+            }
             let Ok(p) = ctx.query_port(port) else {
                 continue;
             };
             if !p.is_active() {
                 continue;
+            }
+            if let Some(g) = opts.verbs_gid_index {
+                if u32::from(g) >= p.gid_table_len {
+                    return Err(Error::InvalidArgument(format!(
+                        "GID index {g} is outside {}'s port {port} table of {} entries",
+                        d.name, p.gid_table_len
+                    )));
+                }
+                return Ok((d.name, port, Some(g)));
             }
             if p.link_layer != ib::LinkLayer::Ethernet {
                 return Ok((d.name, port, None));
@@ -239,9 +257,11 @@ fn probe() -> Result<(String, u8, Option<u8>)> {
             }
         }
     }
-    Err(unavailable(match want {
-        Some(w) => format!("RDMA device {w} (FABRIC_VERBS_DEVICE) absent or without an active port"),
-        None => "no RDMA device with an active port (load rdma_rxe / attach a NIC; rdma-core installed?)".into(),
+    Err(unavailable(match (want, opts.verbs_port) {
+        (Some(w), Some(p)) => format!("RDMA device {w} has no active port {p}"),
+        (None, Some(p)) => format!("no RDMA device with an active port {p}"),
+        (Some(w), None) => format!("RDMA device {w} (Options::verbs_device / FABRIC_VERBS_DEVICE) absent or without an active port"),
+        (None, None) => "no RDMA device with an active port (load rdma_rxe / attach a NIC; rdma-core installed?)".into(),
     }))
 }
 
