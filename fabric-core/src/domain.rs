@@ -23,6 +23,7 @@ use crate::transport::{MemoryKinds, Status, TransportKind};
 
 /// GPU memory behind a region registered with [`Domain::register_dmabuf`]: host copies go
 /// through the CUDA driver.
+#[cfg(feature = "cuda-ipc")]
 #[derive(Debug)]
 struct GpuMemory {
     memory: Arc<dyn nvlink_p2p::DeviceMemory>,
@@ -30,6 +31,7 @@ struct GpuMemory {
     start: usize,
 }
 
+#[cfg(feature = "cuda-ipc")]
 fn gpu_err(e: nvlink_p2p::Error) -> Error {
     Error::Io {
         op: "CUDA copy",
@@ -37,6 +39,7 @@ fn gpu_err(e: nvlink_p2p::Error) -> Error {
     }
 }
 
+#[cfg(feature = "cuda-ipc")]
 impl crate::region::DeviceBacking for GpuMemory {
     fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
         nvlink_p2p::copy_from_host(&*self.memory, self.start + offset, src).map_err(gpu_err)
@@ -92,6 +95,7 @@ pub(crate) trait DomainBackend: Send + Sync + fmt::Debug {
     }
     /// Registers GPU memory exported as a DMA-BUF (verbs: `ibv_reg_dmabuf_mr`); the
     /// registration keeps `buf`'s memory alive until it is released.
+    #[cfg(feature = "cuda-ipc")]
     fn register_dmabuf(&self, _buf: nvlink_p2p::DmaBuf, _access: Access) -> Result<Registered> {
         Err(Error::Unsupported {
             transport: self.kind(),
@@ -99,6 +103,7 @@ pub(crate) trait DomainBackend: Send + Sync + fmt::Debug {
         })
     }
     /// The backend's kind.
+    #[cfg_attr(not(feature = "cuda-ipc"), allow(dead_code))]
     fn kind(&self) -> TransportKind;
     /// A region was published in the registry (shm: announce it to every peer).
     fn published(&self, _r: &Region) {}
@@ -357,6 +362,7 @@ impl Domain {
     /// [`Error::Unsupported`] on backends without GPUDirect RDMA (shm, tcp), and on verbs
     /// when the device, provider or kernel cannot register DMA-BUF memory (Soft-RoCE
     /// cannot); [`Error::Io`] when the registration fails otherwise.
+    #[cfg(feature = "cuda-ipc")]
     pub fn register_dmabuf(&self, buf: nvlink_p2p::DmaBuf, access: Access) -> Result<Region> {
         let access = access | Access::LOCAL_WRITE;
         let memory = buf.memory().clone();

@@ -52,6 +52,9 @@
 //!   out; remotely writable memory stays copy-only. shm cannot give peers one-sided
 //!   access to caller memory (typed [`Error::Unsupported`] at registration, see
 //!   [`backend::shm`]); [`MemorySupport`] says per memory kind what works.
+//! * **Cargo features.** `verbs` (the verbs backend and `topology`) and `cuda-ipc` (the
+//!   cuda-ipc backend and GPU memory registration) are on by default; shm and tcp alone
+//!   build with `default-features = false`, without `ibverbs-safe` or `cudarc`.
 //! * **One small trait.** [`Transport`] is one connection: register memory (owned
 //!   [`Region`]s, handed to operations as owned [`Buf`] slices and returned by their
 //!   [`Completion`]), two-sided send/recv, one-sided write/read against a packable
@@ -70,7 +73,7 @@
 //!   `SCM_RIGHTS` on an abstract Unix socket, peer uid checked; rendezvous (one copy) from
 //!   2 KiB; one-sided ops are copies/atomics on the peer's mapping.
 //!   **tcp** ([`backend::tcp`]): framed, non-blocking, one-sided ops emulated.
-//!   **verbs** ([`backend::verbs`]): RC queue pairs on `ibverbs-safe`.
+//!   **verbs** (`backend::verbs`, feature `verbs`): RC queue pairs on `ibverbs-safe`.
 //! * **Bootstrap** ([`bootstrap`]): versioned, length-limited TCP rendezvous (all-gather of
 //!   endpoint blobs among N ranks), launcher detection, optional shared secret, transport
 //!   selection, and [`bootstrap::pair`] for two-party runs. Every decoder of peer bytes is a
@@ -86,7 +89,7 @@ pub mod region;
 pub mod registry;
 pub mod ring;
 mod sync;
-#[cfg(not(fabric_loom))]
+#[cfg(all(not(fabric_loom), feature = "verbs"))]
 pub mod topology;
 pub mod tracker;
 pub mod transport;

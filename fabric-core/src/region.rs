@@ -46,7 +46,7 @@ impl Access {
 
 /// Memory the host cannot address directly (GPU memory of the `cuda-ipc` backend): the
 /// region's byte copies go through the backend's driver instead of `memcpy`.
-#[cfg_attr(fabric_loom, allow(dead_code))]
+#[cfg_attr(any(fabric_loom, not(feature = "cuda-ipc")), allow(dead_code))]
 pub(crate) trait DeviceBacking: Send + Sync + fmt::Debug {
     /// Copies `src` in at `offset` (in bounds: checked by the region).
     fn write(&self, offset: usize, src: &[u8]) -> Result<()>;
@@ -73,6 +73,7 @@ pub(crate) enum Memory {
     },
     /// Device memory: a 1-byte placeholder; every byte access goes through
     /// [`RegionInner::device`].
+    #[cfg_attr(not(feature = "cuda-ipc"), allow(dead_code))]
     Placeholder(MmapRaw),
 }
 
@@ -209,7 +210,7 @@ impl Region {
     }
 
     /// A region over device memory (backends that register GPU memory call this).
-    #[cfg_attr(fabric_loom, allow(dead_code))]
+    #[cfg_attr(any(fabric_loom, not(feature = "cuda-ipc")), allow(dead_code))]
     pub(crate) fn device(
         id: u32,
         owner: u64,
@@ -245,7 +246,7 @@ impl Region {
     }
 
     /// The device memory behind the region, if it is not host memory.
-    #[cfg_attr(fabric_loom, allow(dead_code))]
+    #[cfg_attr(any(fabric_loom, not(feature = "cuda-ipc")), allow(dead_code))]
     pub(crate) fn device_backing(&self) -> Option<&dyn DeviceBacking> {
         self.inner.device.as_deref()
     }
@@ -778,7 +779,7 @@ impl Buf {
     }
 
     /// Raw pointer to the first byte (valid for `len` bytes while `self` lives).
-    #[cfg_attr(fabric_loom, allow(dead_code))]
+    #[cfg_attr(any(fabric_loom, not(feature = "cuda-ipc")), allow(dead_code))]
     pub(crate) fn as_ptr(&self) -> *mut u8 {
         // Host backends only see their own (host) regions: the tracker refuses foreign ones.
         debug_assert!(

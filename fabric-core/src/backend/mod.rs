@@ -19,15 +19,23 @@ use crate::transport::{
     TransportKind,
 };
 
+#[cfg(feature = "cuda-ipc")]
 pub mod cuda_ipc;
 pub mod shm;
 pub mod tcp;
+#[cfg(feature = "verbs")]
 pub mod verbs;
 
 /// Every backend this build knows, in automatic-selection preference order.
 /// (A new backend adds its `ENTRY` here.)
-pub static BACKENDS: &[&BackendEntry] =
-    &[&shm::ENTRY, &verbs::ENTRY, &tcp::ENTRY, &cuda_ipc::ENTRY];
+pub static BACKENDS: &[&BackendEntry] = &[
+    &shm::ENTRY,
+    #[cfg(feature = "verbs")]
+    &verbs::ENTRY,
+    &tcp::ENTRY,
+    #[cfg(feature = "cuda-ipc")]
+    &cuda_ipc::ENTRY,
+];
 
 /// Opens a backend's per-device half.
 pub(crate) type OpenDomain = fn(&Options) -> Result<Box<dyn DomainBackend>>;
@@ -253,6 +261,7 @@ pub(crate) struct Endpoint<H: Hal> {
 
 /// The per-device half of a backend whose registrations are per connection.
 #[derive(Debug)]
+#[cfg_attr(not(feature = "cuda-ipc"), allow(dead_code))]
 struct ConnectionScoped;
 
 impl DomainBackend for ConnectionScoped {
@@ -293,6 +302,7 @@ impl DomainBackend for ConnectionScoped {
 impl<H: Hal> Endpoint<H> {
     /// A connection whose registrations are its own (the tracker's owner id is the
     /// connection's; cuda-ipc).
+    #[cfg_attr(not(feature = "cuda-ipc"), allow(dead_code))]
     pub(crate) fn new(t: Tracker, h: H) -> Self {
         let kind = h.kind();
         let domain = Domain::with_backend(kind, &Options::default(), Box::new(ConnectionScoped));

@@ -109,6 +109,7 @@ impl DomainBackend for VerbsDomain {
         })
     }
 
+    #[cfg(feature = "cuda-ipc")]
     fn register_dmabuf(&self, buf: nvlink_p2p::DmaBuf, access: Access) -> Result<Registered> {
         let ra = remote_access(access);
         let (fd, offset, len, iova, memory) = buf.into_parts();

@@ -485,7 +485,7 @@ pub fn host_id() -> String {
 
 /// Whether an RDMA device with an active port is present (the verbs backend's probe).
 pub fn local_rdma_active() -> bool {
-    (crate::backend::verbs::ENTRY.probe)().is_ok()
+    crate::backend::entry(TransportKind::Verbs).is_ok_and(|e| (e.probe)().is_ok())
 }
 
 /// Picks the transport for two endpoints: `forced` if given; else shm on the same host,
