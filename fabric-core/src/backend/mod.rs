@@ -104,7 +104,7 @@ pub struct Options {
     /// [`pair`]: crate::bootstrap::pair
     pub tcp_secret: Option<Vec<u8>>,
     /// The RDMA device a verbs domain opens (`FABRIC_VERBS_DEVICE` by default; else the
-    /// first with an active port). See [`topology::nics`](crate::topology::nics).
+    /// first with an active port). See `topology::nics` (feature `verbs`).
     pub verbs_device: Option<String>,
     /// The port (else the device's first active one).
     pub verbs_port: Option<u8>,
