@@ -386,6 +386,7 @@ pub trait Transport: Send + fmt::Debug {
     /// The domain the connection belongs to: register caller memory there
     /// ([`Domain::register_memory`](crate::Domain::register_memory)); its regions work on
     /// every connection of the domain.
+    #[cfg(not(fabric_loom))]
     fn domain(&self) -> &crate::Domain;
 
     /// Registers `len` bytes of fresh, zeroed memory with `access` on the connection's
