@@ -233,10 +233,15 @@ fn probe_with(opts: &Options) -> Result<(String, u8, Option<u8>)> {
                 continue;
             }
             if let Some(g) = opts.verbs_gid_index {
-                if u32::from(g) >= p.gid_table_len {
+                let gids = ctx.gid_table(port).unwrap_or_default();
+                if !gids
+                    .iter()
+                    .any(|e| e.index == u32::from(g) && !e.gid.is_zero())
+                {
                     return Err(Error::InvalidArgument(format!(
-                        "GID index {g} is outside {}'s port {port} table of {} entries",
-                        d.name, p.gid_table_len
+                        "GID index {g} is not a populated entry of {}'s port {port} ({} populated)",
+                        d.name,
+                        gids.iter().filter(|e| !e.gid.is_zero()).count()
                     )));
                 }
                 return Ok((d.name, port, Some(g)));
