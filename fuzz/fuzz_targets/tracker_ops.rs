@@ -247,7 +247,7 @@ fuzz_target!(|inp: Input| {
                         Verdict::Transport
                     } else if !key.access().contains(need) {
                         Verdict::Access
-                    } else if off.checked_add(n).map_or(true, |e| e > key.len) {
+                    } else if !matches!(off.checked_add(n), Some(e) if e <= key.len) {
                         Verdict::Range
                     } else {
                         Verdict::Accept
