@@ -1,13 +1,16 @@
 //! What this machine offers, in one view (like `ibv_devinfo`, `fi_info`, `ucx_info` and
-//! `nvidia-smi topo -m` together): RDMA devices, ports, GIDs and link state; which
-//! transports are usable and why not; GPUs and their peer matrix. Every absent piece is
-//! reported with its typed error's message; nothing here panics.
+//! `nvidia-smi topo -m` together): RDMA devices, ports, GIDs and link state; what a library
+//! chooses a NIC by (fabric-core's `topology`: PCI path, NUMA node, rate, memory kinds,
+//! the nearest NIC per GPU) and how to pick one (`Options::verbs_device` / `verbs_port` /
+//! `verbs_gid_index`); which transports are usable and what memory each domain registers;
+//! GPUs and their peer matrix. Every absent piece is reported with its typed error's
+//! message; nothing here panics.
 //!
 //! ```text
 //! cargo run --example fabric_info
 //! ```
 
-use fabric_core::{backend, bootstrap, TransportKind};
+use fabric_core::{backend, bootstrap, topology, Domain, TransportKind};
 
 fn rdma() -> bool {
     println!("== RDMA devices (ibverbs-safe)");
@@ -73,6 +76,53 @@ fn rdma() -> bool {
     any_active
 }
 
+fn nics() -> Vec<topology::NicInfo> {
+    println!("== NICs as a library chooses them (fabric-core topology)");
+    let nics = match topology::nics() {
+        Ok(n) => n,
+        Err(e) => {
+            println!("  unavailable: {e}");
+            return Vec::new();
+        }
+    };
+    if nics.is_empty() {
+        println!("  none");
+    }
+    for n in &nics {
+        println!(
+            "  {}: pci {}, numa {}, registers {:?}",
+            n.name,
+            n.pci_path
+                .as_ref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_else(|| "none (software device)".into()),
+            n.numa_node
+                .map(|x| x.to_string())
+                .unwrap_or_else(|| "unknown".into()),
+            n.memory
+        );
+        for p in &n.ports {
+            println!(
+                "    port {}: {}, {}, rate {}, {} GIDs{}",
+                p.port,
+                if p.active { "active" } else { "down" },
+                p.link_layer,
+                p.rate.as_deref().unwrap_or("unknown"),
+                p.gids.len(),
+                p.gids
+                    .first()
+                    .map(|g| format!(" (gid[{}] {} {})", g.0, g.1, g.2.as_deref().unwrap_or("")))
+                    .unwrap_or_default()
+            );
+        }
+    }
+    println!(
+        "  pick one: Options {{ verbs_device: Some(NAME), verbs_port: Some(N), verbs_gid_index: Some(I), .. }} \
+         (or FABRIC_VERBS_DEVICE=NAME)"
+    );
+    nics
+}
+
 fn transports(rdma_active: bool) {
     println!("== transports (fabric-core)");
     for kind in TransportKind::ALL {
@@ -91,6 +141,13 @@ fn transports(rdma_active: bool) {
             _ => "",
         };
         println!("  {:<9} {line}{note}", kind.name());
+        if let Ok(d) = Domain::open(kind, &backend::Options::default()) {
+            let m = d.memory_support();
+            println!(
+                "            registers: allocated {:?} (one-sided {:?}), caller memory {:?} (one-sided {:?})",
+                m.allocated, m.allocated_remote, m.caller, m.caller_remote
+            );
+        }
     }
     println!("  host id   {}", bootstrap::host_id());
     match bootstrap::Launch::from_env() {
@@ -110,7 +167,7 @@ fn transports(rdma_active: bool) {
     }
 }
 
-fn gpus() {
+fn gpus(nics: &[topology::NicInfo]) {
     println!("== GPUs (nvlink-p2p)");
     let cuda = match nvlink_p2p::Cuda::init() {
         Ok(c) => c,
@@ -131,6 +188,19 @@ fn gpus() {
             "  GPU{} {} (pci {:04x}:{:02x}:{:02x})",
             d.ordinal, d.name, d.pci.0, d.pci.1, d.pci.2
         );
+        let nearest =
+            topology::pci_path(d.pci.0 as u32, d.pci.1 as u32, d.pci.2 as u32).and_then(|p| {
+                topology::nearest_nic(&p, nics).map(|n| {
+                    (
+                        n,
+                        topology::pci_affinity(&p, n.pci_path.as_deref().unwrap_or(&p)),
+                    )
+                })
+            });
+        match nearest {
+            Some((n, depth)) => println!("    nearest NIC: {} (shares {depth} PCI path components)", n.name),
+            None => println!("    nearest NIC: none (no active PCI RDMA device, or the GPU's PCI path is unknown)"),
+        }
     }
     if topo.devices.len() > 1 {
         print!("  peer   ");
@@ -159,6 +229,7 @@ fn gpus() {
 
 fn main() {
     let active = rdma();
+    let nics = nics();
     transports(active);
-    gpus();
+    gpus(&nics);
 }

@@ -4,10 +4,41 @@
 //! *responder* obeys 32-byte control messages (`mode`, `size`, `iters`) and then echoes
 //! (ping-pong), absorbs (stream) or both ends stream at once (bidirectional). One-sided
 //! phases use a region the responder registers and announces with its key.
+//!
+//! Buffers are the caller's own (page-aligned [`AlignedBuf`]s registered in place on the
+//! connection's domain), as a library using fabric-core would hold them. Two exceptions,
+//! each where the backend says caller memory cannot serve: shm's one-sided target (a peer
+//! can only address memory it maps: `Unsupported` at registration), and shm's send buffer,
+//! which is fabric-core memory so that large sends go by rendezvous (the peer copies
+//! straight out of its memfd: one copy; caller memory would take the eager path's two).
 
 use std::time::{Duration, Instant};
 
-use fabric_core::{Access, Buf, Completion, Error, OpKind, Region, RemoteKey, Status, Transport};
+use fabric_core::{
+    Access, AlignedBuf, Buf, Completion, Error, OpKind, Region, RemoteKey, Status, Transport,
+    TransportKind,
+};
+
+/// The caller's own page-aligned memory, registered in place on `conn`'s domain; memory
+/// fabric-core allocates where the backend cannot serve caller memory for `access`.
+fn buffer(conn: &mut dyn Transport, len: usize, access: Access) -> fabric_core::Result<Region> {
+    match conn
+        .domain()
+        .register_memory(AlignedBuf::new(len.max(1), 4096)?, access)
+    {
+        Err(Error::Unsupported { .. }) => conn.register(len, access),
+        other => other,
+    }
+}
+
+/// A send buffer: caller memory, except on shm (see the module docs).
+fn send_buffer(conn: &mut dyn Transport, len: usize) -> fabric_core::Result<Region> {
+    if conn.kind() == TransportKind::Shm {
+        conn.register(len, Access::empty())
+    } else {
+        buffer(conn, len, Access::empty())
+    }
+}
 
 /// Receives the responder keeps posted.
 pub const WINDOW: usize = 16;
@@ -212,11 +243,13 @@ fn parse_ctrl(b: &[u8]) -> fabric_core::Result<(Mode, usize, usize)> {
 /// Transport failures or a peer breaking the protocol.
 pub fn respond(peer: &mut Peer, max: usize) -> fabric_core::Result<()> {
     let slot = max.max(CTRL_LEN).max(RemoteKey::PACKED_LEN);
-    let rx = peer.conn.register(slot * WINDOW, Access::empty())?;
-    let tx = peer.conn.register(slot, Access::empty())?;
-    let target = peer
-        .conn
-        .register(max.max(8), Access::REMOTE_WRITE | Access::REMOTE_READ)?;
+    let rx = buffer(peer.conn.as_mut(), slot * WINDOW, Access::empty())?;
+    let tx = send_buffer(peer.conn.as_mut(), slot)?;
+    let target = buffer(
+        peer.conn.as_mut(),
+        max.max(8),
+        Access::REMOTE_WRITE | Access::REMOTE_READ,
+    )?;
     for i in 0..WINDOW {
         peer.recv(rx.slice(i * slot, slot)?, 0)?;
     }
@@ -363,10 +396,10 @@ impl Initiator {
     /// Transport failures or a peer breaking the protocol.
     pub fn new(mut peer: Peer, max: usize) -> fabric_core::Result<Self> {
         let slot = max.max(CTRL_LEN).max(RemoteKey::PACKED_LEN);
-        let rx = peer.conn.register(slot * WINDOW, Access::empty())?;
-        let tx = peer.conn.register(slot, Access::empty())?;
+        let rx = buffer(peer.conn.as_mut(), slot * WINDOW, Access::empty())?;
+        let tx = send_buffer(peer.conn.as_mut(), slot)?;
         tx.fill(0, slot, 0x5a)?;
-        let scratch = peer.conn.register(slot, Access::empty())?;
+        let scratch = buffer(peer.conn.as_mut(), slot, Access::empty())?;
         for i in 0..WINDOW {
             peer.recv(rx.slice(i * slot, slot)?, 0)?;
         }

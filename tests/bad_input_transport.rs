@@ -253,6 +253,7 @@ fn premature_response(forged_slot: u64) {
     let key = |len| fabric_core::RemoteKey {
         transport: TransportKind::Tcp,
         region: 0,
+        gen: 0,
         access: (Access::REMOTE_WRITE | Access::LOCAL_WRITE).bits(),
         len,
         key: 0x1234,

@@ -142,11 +142,22 @@ fn four_rank_all_gather() {
 }
 
 fn pair_roundtrip(forced: Option<TransportKind>, expect: TransportKind) {
+    pair_roundtrip_at("127.0.0.1", "127.0.0.1", forced, expect);
+}
+
+/// `pair` with the server bound to `bind_ip` and the client joining at `join_ip`.
+fn pair_roundtrip_at(
+    bind_ip: &str,
+    join_ip: &str,
+    forced: Option<TransportKind>,
+    expect: TransportKind,
+) {
     let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let l = std::net::TcpListener::bind(format!("{bind_ip}:0")).unwrap();
         l.local_addr().unwrap().port()
     };
-    let bind = format!("127.0.0.1:{port}");
+    let bind = format!("{bind_ip}:{port}");
+    let join = format!("{join_ip}:{port}");
     let opts = Options::default();
     let t = Duration::from_secs(30);
     let server = {
@@ -170,7 +181,7 @@ fn pair_roundtrip(forced: Option<TransportKind>, expect: TransportKind) {
         })
     };
     let mut c =
-        bootstrap::pair(&Role::Client { server: bind }, forced, Some("s"), &opts, t).unwrap();
+        bootstrap::pair(&Role::Client { server: join }, forced, Some("s"), &opts, t).unwrap();
     assert_eq!(c.kind(), expect);
     let r = c.register(64, Access::empty()).unwrap();
     r.write_at(0, b"hello").unwrap();
@@ -184,6 +195,58 @@ fn pair_roundtrip(forced: Option<TransportKind>, expect: TransportKind) {
     let (kind, got) = server.join().unwrap();
     assert_eq!(kind, expect);
     assert_eq!(got, b"hello");
+}
+
+/// A non-loopback IPv4 address of this machine (the Soft-RoCE guest: veth0's 10.77.0.1).
+fn non_loopback_ipv4() -> Option<String> {
+    let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills `list` with a list we free below.
+    if unsafe { libc::getifaddrs(&mut list) } != 0 {
+        return None;
+    }
+    let mut found = None;
+    let mut p = list;
+    while !p.is_null() {
+        // SAFETY: `p` is a node of the list getifaddrs returned, alive until freeifaddrs.
+        let ifa = unsafe { &*p };
+        if !ifa.ifa_addr.is_null()
+            // SAFETY: `ifa_addr` is non-null and points to a sockaddr of its family.
+            && i32::from(unsafe { (*ifa.ifa_addr).sa_family }) == libc::AF_INET
+            && ifa.ifa_flags & libc::IFF_UP as u32 != 0
+        {
+            // SAFETY: AF_INET addresses are sockaddr_in.
+            let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
+            let ip = std::net::Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr));
+            if !ip.is_loopback() && found.is_none() {
+                found = Some(ip.to_string());
+            }
+        }
+        p = ifa.ifa_next;
+    }
+    // SAFETY: frees the list getifaddrs returned, once.
+    unsafe { libc::freeifaddrs(list) };
+    found
+}
+
+/// The server binds the wildcard address and publishes its listeners; the client joins at
+/// another address than loopback and must connect to that host, for every backend that
+/// publishes a socket address (tcp; verbs, whose listener published `verbs:0.0.0.0:PORT`).
+#[test]
+fn pair_across_two_addresses_over_tcp_and_verbs() {
+    let Some(ip) = non_loopback_ipv4() else {
+        eprintln!("skipped: no non-loopback IPv4 address on this machine");
+        return;
+    };
+    pair_roundtrip_at("0.0.0.0", &ip, Some(TransportKind::Tcp), TransportKind::Tcp);
+    match fabric_core::Domain::open(TransportKind::Verbs, &Options::default()) {
+        Err(e) => eprintln!("skipped: no RDMA device ({e})"),
+        Ok(_) => pair_roundtrip_at(
+            "0.0.0.0",
+            &ip,
+            Some(TransportKind::Verbs),
+            TransportKind::Verbs,
+        ),
+    }
 }
 
 #[test]

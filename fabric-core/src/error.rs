@@ -148,6 +148,11 @@ pub enum Error {
     /// A wait or handshake ran past its deadline.
     #[error("timed out: {0}")]
     Timeout(&'static str),
+    /// The region is lent out: a local borrow ([`Region::bytes`](crate::Region::bytes) /
+    /// [`Region::bytes_mut`](crate::Region::bytes_mut)) conflicts with a slice handed to an
+    /// operation, a copy, or another borrow. Drop the guard (or wait for the completion).
+    #[error("region busy: {0}")]
+    Busy(&'static str),
     /// An argument is not valid (e.g. an unknown transport name).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

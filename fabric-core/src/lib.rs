@@ -2,17 +2,19 @@
 //! (and, where available, `verbs` / `cuda-ipc`) backends.
 //!
 //! ```no_run
-//! use fabric_core::{backend, Access, Completion, Transport};
+//! use fabric_core::{backend, Access, Completion, Domain, Transport, TransportKind};
 //! use std::time::Duration;
 //!
 //! # fn main() -> fabric_core::Result<()> {
-//! let opts = backend::Options::default();
+//! // A domain per device and backend owns registrations; its connections share them.
+//! let domain = Domain::open(TransportKind::Shm, &backend::Options::default())?;
 //! // One side listens (the address travels to the peer out of band, e.g. via `bootstrap`)...
-//! let mut listener = backend::listen(fabric_core::TransportKind::Shm, &opts)?;
+//! let mut listener = domain.listen()?;
 //! println!("peer: connect to {}", listener.address());
 //! let mut conn = backend::accept_timeout(listener.as_mut(), Duration::from_secs(30))?;
-//! // ...then registers memory and moves bytes; buffers come back in completions.
-//! let region = conn.register(4096, Access::empty())?;
+//! // ...registers the caller's own memory in place (no copy; any connection of the
+//! // domain may use it) and moves bytes; buffers come back in completions.
+//! let region = domain.register_memory(vec![0u8; 4096], Access::empty())?;
 //! conn.post_recv(region.slice(0, 4096)?, 1).map_err(|e| e.error)?;
 //! let mut done: Vec<Completion> = (0..8).map(|_| Completion::default()).collect();
 //! loop {
@@ -23,12 +25,36 @@
 //!     }
 //!     conn.wait(Some(Duration::from_millis(100)))?;
 //! }
+//! drop(done);
+//! // No peer may write it, so it lends its bytes without a copy...
+//! println!("first byte {}", region.bytes()?[0]);
+//! // ...and gives the Vec back once nothing holds it (deregistered first).
+//! let bytes: Vec<u8> = region.into_memory().expect("sole owner");
+//! # let _ = bytes;
 //! # Ok(())
 //! # }
 //! ```
 //!
 //! # Design
 //!
+//! * **Domain → region → connection.** A [`Domain`] (one per device and backend: the verbs
+//!   context and protection domain, the shm announcement fan-out) owns registrations:
+//!   memory it allocates ([`Domain::register`]) or the caller's, in place
+//!   ([`Domain::register_memory`] for `Vec<u8>`, `Box<[u8]>`, typed `Vec<f32>`-like
+//!   buffers of [`Plain`] elements, `memmap2::MmapMut`, [`AlignedBuf`];
+//!   [`Domain::register_raw`] for foreign memory with a keep-alive). A region works on
+//!   every connection of its domain ([`Domain::listen`], [`Domain::connect`]); ids live in
+//!   a [`registry::Registry`] with generations and are reused. Dropping the last handle
+//!   (no operation holds a slice any more) deregisters it and revokes its key at every
+//!   peer: a later operation with the old key completes with
+//!   [`Status::RemoteAccess`] and touches nothing. Regions no peer may write lend
+//!   `&[u8]` / `&mut [u8]` ([`Region::bytes`], [`Region::bytes_mut`]) while no slice is
+//!   out; remotely writable memory stays copy-only. shm cannot give peers one-sided
+//!   access to caller memory (typed [`Error::Unsupported`] at registration, see
+//!   [`backend::shm`]); [`MemorySupport`] says per memory kind what works.
+//! * **Cargo features.** `verbs` (the verbs backend and `topology`) and `cuda-ipc` (the
+//!   cuda-ipc backend and GPU memory registration) are on by default; shm and tcp alone
+//!   build with `default-features = false`, without `ibverbs-safe` or `cudarc`.
 //! * **One small trait.** [`Transport`] is one connection: register memory (owned
 //!   [`Region`]s, handed to operations as owned [`Buf`] slices and returned by their
 //!   [`Completion`]), two-sided send/recv, one-sided write/read against a packable
@@ -47,7 +73,7 @@
 //!   `SCM_RIGHTS` on an abstract Unix socket, peer uid checked; rendezvous (one copy) from
 //!   2 KiB; one-sided ops are copies/atomics on the peer's mapping.
 //!   **tcp** ([`backend::tcp`]): framed, non-blocking, one-sided ops emulated.
-//!   **verbs** ([`backend::verbs`]): RC queue pairs on `ibverbs-safe`.
+//!   **verbs** (`backend::verbs`, feature `verbs`): RC queue pairs on `ibverbs-safe`.
 //! * **Bootstrap** ([`bootstrap`]): versioned, length-limited TCP rendezvous (all-gather of
 //!   endpoint blobs among N ranks), launcher detection, optional shared secret, transport
 //!   selection, and [`bootstrap::pair`] for two-party runs. Every decoder of peer bytes is a
@@ -55,10 +81,16 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+#[cfg(not(fabric_loom))]
+pub mod domain;
 mod error;
+pub mod memory;
 pub mod region;
+pub mod registry;
 pub mod ring;
 mod sync;
+#[cfg(all(not(fabric_loom), feature = "verbs"))]
+pub mod topology;
 pub mod tracker;
 pub mod transport;
 
@@ -68,8 +100,11 @@ pub mod backend;
 pub mod bootstrap;
 pub mod sys;
 
+#[cfg(not(fabric_loom))]
+pub use domain::{Domain, MemorySupport};
 pub use error::{DecodeError, Error, Result};
-pub use region::{Access, Buf, Region};
+pub use memory::{AlignedBuf, Plain, RegisterMemory};
+pub use region::{Access, Buf, LocalMut, LocalRef, Region};
 pub use transport::{
     AtomicOp, Capabilities, Completion, MemoryKinds, MessageOrdering, OpKind, PostError,
     PostResult, RemoteKey, Status, Transport, TransportKind,

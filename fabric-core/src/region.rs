@@ -1,12 +1,15 @@
 //! Registered memory: [`Region`] (a whole registration) and [`Buf`] (an owned slice of one,
 //! handed to an operation and returned by its completion).
 //!
-//! Region memory may be written by the peer at any time (one-sided writes, atomics), so it
-//! is never exposed as `&[u8]`/`&mut [u8]`: it is read and written by explicit copies
-//! ([`Region::read_at`], [`Region::write_at`], [`Buf::copy_from`], [`Buf::copy_to`]) and
-//! 8-byte atomics. Concurrent copies into the same bytes (by this process's threads or the
-//! peer) leave unspecified bytes there, exactly as a concurrent peer write would; they
-//! never touch memory outside the region.
+//! Memory a peer may write (one-sided writes, atomics) is never exposed as
+//! `&[u8]`/`&mut [u8]`: it is read and written by explicit copies ([`Region::read_at`],
+//! [`Region::write_at`], [`Buf::copy_from`], [`Buf::copy_to`]) and 8-byte atomics.
+//! Concurrent copies into the same bytes (by this process's threads or the peer) leave
+//! unspecified bytes there, exactly as a concurrent peer write would; they never touch
+//! memory outside the region. A region no peer may write ([`Region::is_lendable`]) lends
+//! its bytes without a copy ([`Region::bytes`], [`Region::bytes_mut`]); it counts its
+//! slices and copies, so a borrow and an operation (or a copy) never overlap: whichever
+//! comes second gets [`Error::Busy`].
 #![allow(unsafe_code)]
 
 use std::fmt;
@@ -43,7 +46,7 @@ impl Access {
 
 /// Memory the host cannot address directly (GPU memory of the `cuda-ipc` backend): the
 /// region's byte copies go through the backend's driver instead of `memcpy`.
-#[cfg_attr(fabric_loom, allow(dead_code))]
+#[cfg_attr(any(fabric_loom, not(feature = "cuda-ipc")), allow(dead_code))]
 pub(crate) trait DeviceBacking: Send + Sync + fmt::Debug {
     /// Copies `src` in at `offset` (in bounds: checked by the region).
     fn write(&self, offset: usize, src: &[u8]) -> Result<()>;
@@ -57,31 +60,96 @@ pub(crate) trait DeviceBacking: Send + Sync + fmt::Debug {
     fn as_any(&self) -> &dyn std::any::Any;
 }
 
+/// What keeps a region's bytes alive: memory fabric-core mapped itself, or the caller's.
+pub(crate) enum Memory {
+    /// A mapping this crate made (shared so a backend registration can hold it too).
+    Mapped(Arc<MmapRaw>),
+    /// The caller's memory: `ptr`/`len` stay valid while `_keep` lives (see
+    /// [`RegisterMemory`]).
+    Caller {
+        ptr: *mut u8,
+        len: usize,
+        keep: Option<Box<dyn std::any::Any + Send + Sync>>,
+    },
+    /// Device memory: a 1-byte placeholder; every byte access goes through
+    /// [`RegionInner::device`].
+    #[cfg_attr(not(feature = "cuda-ipc"), allow(dead_code))]
+    Placeholder(MmapRaw),
+}
+
+// SAFETY: `Caller` memory is owned by a `Send + Sync` keep-alive (checked by the
+// registration functions' bounds); the pointer is only dereferenced under the region's
+// bounds checks, like the mapped variants.
+unsafe impl Send for Memory {}
+// SAFETY: as above.
+unsafe impl Sync for Memory {}
+
+impl Memory {
+    fn ptr(&self) -> *mut u8 {
+        match self {
+            Memory::Mapped(m) => m.as_mut_ptr(),
+            Memory::Caller { ptr, .. } => *ptr,
+            Memory::Placeholder(m) => m.as_mut_ptr(),
+        }
+    }
+    fn len(&self) -> usize {
+        match self {
+            Memory::Mapped(m) => m.len(),
+            Memory::Caller { len, .. } => *len,
+            Memory::Placeholder(m) => m.len(),
+        }
+    }
+}
+
+/// Who hears that a region is gone (its domain: the registry slot is freed with a new
+/// generation, peers are told).
+pub(crate) trait Revoke: Send + Sync {
+    fn revoke(&self, id: u32, gen: u32);
+}
+
 pub(crate) struct RegionInner {
     pub(crate) id: u32,
+    /// Generation of the id (the registry slot's); keys carry it.
+    pub(crate) gen: u32,
+    /// The domain (or, for connection-scoped backends, the connection) it belongs to.
     pub(crate) owner: u64,
     pub(crate) key: u64,
     pub(crate) access: Access,
     pub(crate) transport: TransportKind,
     pub(crate) len: usize,
-    /// Shared so a backend's registration (verbs MR) can keep the memory alive too.
-    map: Arc<MmapRaw>,
-    /// Backend-private state of the registration (the verbs memory region).
+    /// Told when the region is dropped (before the backend registration and the memory go).
+    pub(crate) revoke: Option<Arc<dyn Revoke>>,
+    /// Backend-private state of the registration (the verbs memory region). Declared
+    /// before `mem`: the registration is released before the memory it covers.
     pub(crate) backing: Option<Box<dyn std::any::Any + Send + Sync>>,
     /// Backend key a peer needs (verbs rkey); 0 elsewhere.
     pub(crate) rkey: u32,
-    /// The memfd behind a shared mapping (shm); `None` for anonymous memory.
-    pub(crate) fd: Option<OwnedFd>,
-    /// Device memory (cuda-ipc): then `map` is an unused placeholder page and every byte
-    /// access goes through this.
+    /// The memfd behind a shared mapping (shm); `None` for anonymous or caller memory.
+    pub(crate) fd: Option<Arc<OwnedFd>>,
+    /// Device memory (cuda-ipc): then `mem` is a placeholder page and every byte access
+    /// goes through this.
     pub(crate) device: Option<Box<dyn DeviceBacking>>,
+    /// Local-borrow bookkeeping (see [`Lend`]).
+    lend: Lend,
+    mem: Memory,
+}
+
+impl Drop for RegionInner {
+    fn drop(&mut self) {
+        if let Some(r) = self.revoke.take() {
+            r.revoke(self.id, self.gen);
+        }
+    }
 }
 
 /// A registration: memory the transport can move bytes from and to, and (with remote
 /// access) that the peer can address through its [`RemoteKey`](crate::RemoteKey).
 ///
-/// Cheap to clone (reference counted); the memory lives until the last clone, the last
-/// [`Buf`] over it and the connection that registered it are gone.
+/// Cheap to clone (reference counted). When the last clone and the last [`Buf`] over it
+/// are gone, the region is deregistered: its id is freed (reused later with a new
+/// generation), peers holding its key get [`Status::RemoteAccess`](crate::Status) for
+/// later operations, and the memory (the caller's, if it was registered with
+/// [`Domain::register_memory`](crate::Domain::register_memory)) is released.
 #[derive(Clone)]
 pub struct Region {
     pub(crate) inner: Arc<RegionInner>,
@@ -91,6 +159,7 @@ impl fmt::Debug for Region {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Region")
             .field("id", &self.inner.id)
+            .field("gen", &self.inner.gen)
             .field("len", &self.inner.len)
             .field("access", &self.inner.access)
             .field("transport", &self.inner.transport)
@@ -99,64 +168,49 @@ impl fmt::Debug for Region {
     }
 }
 
-impl Region {
-    /// Wraps a mapping of at least `len` bytes (backends call this).
-    pub(crate) fn new(
-        id: u32,
-        owner: u64,
-        transport: TransportKind,
-        access: Access,
-        len: usize,
-        map: MmapRaw,
-        fd: Option<OwnedFd>,
-    ) -> Self {
-        Self::with_backing(
-            id,
-            owner,
-            transport,
-            access,
-            len,
-            Arc::new(map),
-            fd,
-            None,
-            0,
-        )
-    }
+/// The parts a backend assembles a region from.
+pub(crate) struct Parts {
+    pub(crate) id: u32,
+    pub(crate) gen: u32,
+    pub(crate) owner: u64,
+    pub(crate) key: u64,
+    pub(crate) transport: TransportKind,
+    pub(crate) access: Access,
+    pub(crate) len: usize,
+    pub(crate) mem: Memory,
+    pub(crate) fd: Option<Arc<OwnedFd>>,
+    pub(crate) backing: Option<Box<dyn std::any::Any + Send + Sync>>,
+    pub(crate) rkey: u32,
+    pub(crate) revoke: Option<Arc<dyn Revoke>>,
+    /// Device memory (then `mem` is a placeholder).
+    pub(crate) device: Option<Box<dyn DeviceBacking>>,
+}
 
-    /// Like [`new`](Self::new), with a shared mapping, backend state and backend key.
-    #[allow(clippy::too_many_arguments)]
-    #[cfg_attr(fabric_loom, allow(dead_code))]
-    pub(crate) fn with_backing(
-        id: u32,
-        owner: u64,
-        transport: TransportKind,
-        access: Access,
-        len: usize,
-        map: Arc<MmapRaw>,
-        fd: Option<OwnedFd>,
-        backing: Option<Box<dyn std::any::Any + Send + Sync>>,
-        rkey: u32,
-    ) -> Self {
-        debug_assert!(map.len() >= len);
+impl Region {
+    pub(crate) fn from_parts(p: Parts) -> Self {
+        debug_assert!(p.mem.len() >= p.len);
         Region {
             inner: Arc::new(RegionInner {
-                id,
-                owner,
-                key: random_u64(),
-                access,
-                transport,
-                len,
-                map,
-                backing,
-                rkey,
-                fd,
-                device: None,
+                id: p.id,
+                gen: p.gen,
+                owner: p.owner,
+                key: p.key,
+                access: p.access,
+                transport: p.transport,
+                len: p.len,
+                revoke: p.revoke,
+                backing: p.backing,
+                rkey: p.rkey,
+                fd: p.fd,
+                device: p.device,
+                lend: Lend::new(),
+                mem: p.mem,
             }),
         }
     }
 
     /// A region over device memory (backends that register GPU memory call this).
-    #[cfg_attr(fabric_loom, allow(dead_code))]
+    #[cfg_attr(any(fabric_loom, not(feature = "cuda-ipc")), allow(dead_code))]
     pub(crate) fn device(
         id: u32,
         owner: u64,
@@ -174,29 +228,32 @@ impl Region {
         Ok(Region {
             inner: Arc::new(RegionInner {
                 id,
+                gen: 0,
                 owner,
                 key: random_u64(),
                 access,
                 transport,
                 len,
-                map: Arc::new(placeholder),
+                revoke: None,
                 backing: None,
                 rkey: 0,
                 fd: None,
                 device: Some(memory),
+                lend: Lend::new(),
+                mem: Memory::Placeholder(placeholder),
             }),
         })
     }
 
     /// The device memory behind the region, if it is not host memory.
-    #[cfg_attr(fabric_loom, allow(dead_code))]
+    #[cfg_attr(any(fabric_loom, not(feature = "cuda-ipc")), allow(dead_code))]
     pub(crate) fn device_backing(&self) -> Option<&dyn DeviceBacking> {
         self.inner.device.as_deref()
     }
 
-    /// Anonymous private memory (backends whose peer never maps it). Public so that tests
-    /// and fuzz targets can drive a [`Tracker`](crate::tracker::Tracker) directly; a region
-    /// only becomes usable on a connection whose id is `owner`.
+    /// Anonymous private memory, outside any domain's registry. Public so that tests and
+    /// fuzz targets can drive a [`Tracker`](crate::tracker::Tracker) directly; a region
+    /// only becomes usable on a connection whose owner id is `owner`.
     ///
     /// # Errors
     /// [`Error::Io`] when the memory cannot be mapped.
@@ -207,13 +264,22 @@ impl Region {
         access: Access,
         len: usize,
     ) -> Result<Self> {
-        let map = MmapRaw::from(
-            memmap2::MmapOptions::new()
-                .len(len.max(1))
-                .map_anon()
-                .map_err(|e| Error::io("mmap", e))?,
-        );
-        Ok(Self::new(id, owner, transport, access, len, map, None))
+        let map = anon_map(len)?;
+        Ok(Self::from_parts(Parts {
+            id,
+            gen: 0,
+            owner,
+            key: random_u64(),
+            transport,
+            access,
+            len,
+            mem: Memory::Mapped(Arc::new(map)),
+            fd: None,
+            backing: None,
+            rkey: 0,
+            revoke: None,
+            device: None,
+        }))
     }
 
     /// Length in bytes.
@@ -228,9 +294,20 @@ impl Region {
     pub fn access(&self) -> Access {
         self.inner.access
     }
-    /// Its id on the registering connection.
+    /// Its id in its domain's registry (reused after the region is dropped).
     pub fn id(&self) -> u32 {
         self.inner.id
+    }
+    /// The generation of its id: a key of an earlier region with the same id is refused.
+    pub fn generation(&self) -> u32 {
+        self.inner.gen
+    }
+    /// Whether the bytes are the caller's (registered with
+    /// [`Domain::register_memory`](crate::Domain::register_memory) or
+    /// [`Domain::register_raw`](crate::Domain::register_raw)) rather than allocated by
+    /// fabric-core.
+    pub fn is_caller_memory(&self) -> bool {
+        matches!(self.inner.mem, Memory::Caller { .. })
     }
 
     /// The key a peer needs to address this region, or `None` without remote access.
@@ -241,6 +318,7 @@ impl Region {
         Some(crate::RemoteKey {
             transport: self.inner.transport,
             region: self.inner.id,
+            gen: self.inner.gen,
             access: self.inner.access.bits(),
             len: self.inner.len as u64,
             key: self.inner.key,
@@ -253,78 +331,154 @@ impl Region {
     }
 
     pub(crate) fn base(&self) -> *mut u8 {
-        self.inner.map.as_mut_ptr()
+        self.inner.mem.ptr()
     }
 
     fn check(&self, offset: usize, len: usize) -> Result<()> {
         check_range(offset as u64, len as u64, self.inner.len as u64)
     }
 
+    /// Whether local borrows are possible: no peer may write the memory and it is host
+    /// memory. Such regions count their slices and copies so that a borrow never aliases
+    /// an operation's writes.
+    pub fn is_lendable(&self) -> bool {
+        self.inner.device.is_none()
+            && !self
+                .inner
+                .access
+                .intersects(Access::REMOTE_WRITE | Access::REMOTE_ATOMIC)
+    }
+
+    /// Counts a slice or a copy (lendable regions only).
+    fn use_begin(&self) -> Result<()> {
+        if self.is_lendable() {
+            self.inner.lend.use_begin()?;
+        }
+        Ok(())
+    }
+
+    fn use_end(&self) {
+        if self.is_lendable() {
+            self.inner.lend.use_end();
+        }
+    }
+
+    /// Borrows the bytes for reading, without a copy.
+    ///
+    /// Only for regions no peer may write ([`is_lendable`](Self::is_lendable)); while the
+    /// guard lives, [`slice`](Self::slice), [`full`](Self::full)-made slices' copies and
+    /// this region's copies return [`Error::Busy`], and `bytes_mut` is refused.
+    ///
+    /// # Errors
+    /// [`Error::AccessDenied`] for remotely writable or device memory; [`Error::Busy`]
+    /// while a slice is held by an operation (or exists), a copy runs or a mutable borrow
+    /// is out.
+    pub fn bytes(&self) -> Result<LocalRef<'_>> {
+        if !self.is_lendable() {
+            return Err(Error::AccessDenied(
+                "local borrows (the region is remotely writable or device memory)",
+            ));
+        }
+        self.inner.lend.shared_begin()?;
+        Ok(LocalRef { region: self })
+    }
+
+    /// Borrows the bytes for writing, without a copy (e.g. to serialise a message in
+    /// place before sending it).
+    ///
+    /// # Errors
+    /// As [`bytes`](Self::bytes), and [`Error::Busy`] while any other borrow is out.
+    pub fn bytes_mut(&self) -> Result<LocalMut<'_>> {
+        if !self.is_lendable() {
+            return Err(Error::AccessDenied(
+                "local borrows (the region is remotely writable or device memory)",
+            ));
+        }
+        self.inner.lend.exclusive_begin()?;
+        Ok(LocalMut { region: self })
+    }
+
     /// Copies `src` into the region at `offset`.
     ///
     /// # Errors
-    /// [`Error::OutOfBounds`] if the range is outside the region.
+    /// [`Error::OutOfBounds`] if the range is outside the region; [`Error::Busy`] while a
+    /// local borrow is out.
     pub fn write_at(&self, offset: usize, src: &[u8]) -> Result<()> {
         self.check(offset, src.len())?;
         if let Some(d) = &self.inner.device {
             return d.write(offset, src);
         }
-        // SAFETY: bounds checked above; the mapping lives as long as `self`; `src` cannot
-        // overlap the mapping's bytes as a Rust slice (we never hand one out).
+        self.use_begin()?;
+        // SAFETY: bounds checked above; the memory lives as long as `self`; no Rust slice
+        // over it exists (borrows are counted: `use_begin` refused while one is out), so
+        // `src` cannot overlap it.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.base().add(offset), src.len()) };
+        self.use_end();
         Ok(())
     }
 
     /// Copies `dst.len()` bytes at `offset` out of the region.
     ///
     /// # Errors
-    /// [`Error::OutOfBounds`] if the range is outside the region.
+    /// [`Error::OutOfBounds`] if the range is outside the region; [`Error::Busy`] while a
+    /// local borrow is out.
     pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         self.check(offset, dst.len())?;
         if let Some(d) = &self.inner.device {
             return d.read(offset, dst);
         }
+        self.use_begin()?;
         // SAFETY: as in `write_at`.
         unsafe {
             std::ptr::copy_nonoverlapping(self.base().add(offset), dst.as_mut_ptr(), dst.len())
         };
+        self.use_end();
         Ok(())
     }
 
     /// Fills `len` bytes at `offset` with `byte`.
     ///
     /// # Errors
-    /// [`Error::OutOfBounds`] if the range is outside the region.
+    /// [`Error::OutOfBounds`] if the range is outside the region; [`Error::Busy`] while a
+    /// local borrow is out.
     pub fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<()> {
         self.check(offset, len)?;
         if let Some(d) = &self.inner.device {
             return d.fill(offset, len, byte);
         }
-        // SAFETY: bounds checked; mapping alive.
+        self.use_begin()?;
+        // SAFETY: bounds checked; memory alive; no borrow out (counted).
         unsafe { std::ptr::write_bytes(self.base().add(offset), byte, len) };
+        self.use_end();
         Ok(())
     }
 
     /// Atomically loads the 8-byte word at `offset` (the target side of remote atomics).
     ///
     /// # Errors
-    /// [`Error::OutOfBounds`] or [`Error::Unaligned`].
+    /// [`Error::OutOfBounds`], [`Error::Unaligned`], or [`Error::Busy`] while a local
+    /// borrow is out.
     pub fn load_u64(&self, offset: usize) -> Result<u64> {
-        Ok(self.atomic_at(offset)?.load(Ordering::SeqCst))
+        self.use_begin()?;
+        let v = self.atomic_at(offset).map(|a| a.load(Ordering::SeqCst));
+        self.use_end();
+        v
     }
 
     /// Atomically stores the 8-byte word at `offset`.
     ///
     /// # Errors
-    /// [`Error::OutOfBounds`] or [`Error::Unaligned`].
+    /// As [`load_u64`](Self::load_u64).
     pub fn store_u64(&self, offset: usize, v: u64) -> Result<()> {
-        self.atomic_at(offset)?.store(v, Ordering::SeqCst);
-        Ok(())
+        self.use_begin()?;
+        let r = self.atomic_at(offset).map(|a| a.store(v, Ordering::SeqCst));
+        self.use_end();
+        r
     }
 
     pub(crate) fn atomic_at(&self, offset: usize) -> Result<&AtomicU64> {
         self.check(offset, 8)?;
-        if offset % 8 != 0 {
+        if offset % 8 != 0 || (self.base() as usize + offset) % 8 != 0 {
             return Err(Error::Unaligned);
         }
         if self.inner.device.is_some() {
@@ -333,7 +487,7 @@ impl Region {
                 what: "host atomics on device memory",
             });
         }
-        // SAFETY: in bounds, 8-byte aligned (mappings are page aligned), the memory lives as
+        // SAFETY: in bounds, 8-byte aligned (address checked above), the memory lives as
         // long as `&self`; all concurrent accesses to atomics words go through AtomicU64.
         Ok(unsafe { AtomicU64::from_ptr(self.base().add(offset) as *mut u64) })
     }
@@ -341,9 +495,11 @@ impl Region {
     /// An owned slice `[offset, offset + len)` to hand to an operation.
     ///
     /// # Errors
-    /// [`Error::OutOfBounds`] if the range is outside the region.
+    /// [`Error::OutOfBounds`] if the range is outside the region; [`Error::Busy`] while a
+    /// local borrow ([`bytes`](Self::bytes) / [`bytes_mut`](Self::bytes_mut)) is out.
     pub fn slice(&self, offset: usize, len: usize) -> Result<Buf> {
         self.check(offset, len)?;
+        self.use_begin()?;
         Ok(Buf {
             region: self.clone(),
             offset,
@@ -352,12 +508,172 @@ impl Region {
     }
 
     /// The whole region as one [`Buf`].
+    ///
+    /// # Panics
+    /// If a local borrow is out (use [`slice`](Self::slice) for a typed error).
     pub fn full(&self) -> Buf {
-        Buf {
-            region: self.clone(),
-            offset: 0,
-            len: self.inner.len,
+        match self.slice(0, self.inner.len) {
+            Ok(b) => b,
+            Err(e) => panic!("Region::full: {e}"),
         }
+    }
+
+    /// Gives the caller's memory back once nothing else holds the region (no clone, no
+    /// slice, no operation): the registration is released first (peers' keys are
+    /// revoked, the backend registration is gone), then the memory is returned as the
+    /// type it was registered as.
+    ///
+    /// # Errors
+    /// The region itself when it is still shared, or when it is not caller memory of
+    /// type `M`.
+    pub fn into_memory<M: 'static>(self) -> std::result::Result<M, Region> {
+        let inner = match Arc::try_unwrap(self.inner) {
+            Ok(i) => i,
+            Err(inner) => return Err(Region { inner }),
+        };
+        let is_m = matches!(&inner.mem, Memory::Caller { keep: Some(k), .. } if (**k).is::<M>());
+        if !is_m {
+            return Err(Region {
+                inner: Arc::new(inner),
+            });
+        }
+        let mut inner = inner;
+        if let Some(r) = inner.revoke.take() {
+            r.revoke(inner.id, inner.gen);
+        }
+        inner.backing = None;
+        let keep = match &mut inner.mem {
+            Memory::Caller { keep, .. } => keep.take(),
+            _ => None,
+        };
+        drop(inner);
+        match keep.map(|k| k.downcast::<M>()) {
+            Some(Ok(m)) => Ok(*m),
+            // Unreachable: the type was checked above; the region is gone either way.
+            _ => unreachable!("caller memory type checked before release"),
+        }
+    }
+}
+
+/// A shared, copy-free borrow of a lendable region's bytes ([`Region::bytes`]).
+pub struct LocalRef<'a> {
+    region: &'a Region,
+}
+
+impl std::ops::Deref for LocalRef<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: the region is host memory no peer may write (checked at borrow), alive
+        // for 'a; no slice, copy or mutable borrow exists while this guard is counted, so
+        // nothing writes these bytes meanwhile.
+        unsafe { std::slice::from_raw_parts(self.region.base(), self.region.len()) }
+    }
+}
+
+impl Drop for LocalRef<'_> {
+    fn drop(&mut self) {
+        self.region.inner.lend.shared_end();
+    }
+}
+
+impl fmt::Debug for LocalRef<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LocalRef")
+            .field("len", &self.region.len())
+            .finish()
+    }
+}
+
+/// An exclusive, copy-free borrow of a lendable region's bytes ([`Region::bytes_mut`]).
+pub struct LocalMut<'a> {
+    region: &'a Region,
+}
+
+impl std::ops::Deref for LocalMut<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: as in `LocalRef`; this guard is the only user of the bytes.
+        unsafe { std::slice::from_raw_parts(self.region.base(), self.region.len()) }
+    }
+}
+
+impl std::ops::DerefMut for LocalMut<'_> {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: the exclusive borrow is counted: no slice, copy or other borrow of the
+        // region exists while it lives, and no peer may write the memory.
+        unsafe { std::slice::from_raw_parts_mut(self.region.base(), self.region.len()) }
+    }
+}
+
+impl Drop for LocalMut<'_> {
+    fn drop(&mut self) {
+        self.region.inner.lend.exclusive_end();
+    }
+}
+
+impl fmt::Debug for LocalMut<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LocalMut")
+            .field("len", &self.region.len())
+            .finish()
+    }
+}
+
+/// Who uses a lendable region's bytes: slices and copies ("users", low 32 bits), shared
+/// borrows (bits 32..63) and an exclusive borrow (bit 63). Users exclude borrows; shared
+/// borrows exclude users and the exclusive one.
+/// (Its atomic comes from the `sync` shim: `tests/loom_region.rs` checks it under loom.)
+#[derive(Debug)]
+struct Lend(crate::sync::AtomicU64);
+
+const LEND_EXCL: u64 = 1 << 63;
+const LEND_SHARED: u64 = 1 << 32;
+const LEND_USERS: u64 = LEND_SHARED - 1;
+
+impl Lend {
+    fn new() -> Self {
+        Lend(crate::sync::AtomicU64::new(0))
+    }
+    fn update(&self, f: impl Fn(u64) -> Option<u64>, why: &'static str) -> Result<()> {
+        self.0
+            .fetch_update(
+                crate::sync::Ordering::Acquire,
+                crate::sync::Ordering::Relaxed,
+                f,
+            )
+            .map(|_| ())
+            .map_err(|_| Error::Busy(why))
+    }
+    fn use_begin(&self) -> Result<()> {
+        self.update(
+            |s| (s & !LEND_USERS == 0 && s & LEND_USERS < LEND_USERS).then_some(s + 1),
+            "a local borrow is out",
+        )
+    }
+    fn use_end(&self) {
+        self.0.fetch_sub(1, crate::sync::Ordering::Release);
+    }
+    fn shared_begin(&self) -> Result<()> {
+        self.update(
+            |s| {
+                (s & (LEND_EXCL | LEND_USERS) == 0 && (s >> 32) < (LEND_EXCL >> 32) - 1)
+                    .then_some(s + LEND_SHARED)
+            },
+            "slices, copies or a mutable borrow are out",
+        )
+    }
+    fn shared_end(&self) {
+        self.0
+            .fetch_sub(LEND_SHARED, crate::sync::Ordering::Release);
+    }
+    fn exclusive_begin(&self) -> Result<()> {
+        self.update(
+            |s| (s == 0).then_some(LEND_EXCL),
+            "slices, copies or another borrow are out",
+        )
+    }
+    fn exclusive_end(&self) {
+        self.0.fetch_and(!LEND_EXCL, crate::sync::Ordering::Release);
     }
 }
 
@@ -392,6 +708,12 @@ impl fmt::Debug for Buf {
             .field("offset", &self.offset)
             .field("len", &self.len)
             .finish()
+    }
+}
+
+impl Drop for Buf {
+    fn drop(&mut self) {
+        self.region.use_end();
     }
 }
 
@@ -457,7 +779,7 @@ impl Buf {
     }
 
     /// Raw pointer to the first byte (valid for `len` bytes while `self` lives).
-    #[cfg_attr(fabric_loom, allow(dead_code))]
+    #[cfg_attr(any(fabric_loom, not(feature = "cuda-ipc")), allow(dead_code))]
     pub(crate) fn as_ptr(&self) -> *mut u8 {
         // Host backends only see their own (host) regions: the tracker refuses foreign ones.
         debug_assert!(
@@ -467,6 +789,16 @@ impl Buf {
         // SAFETY: offset <= region len (checked at construction), inside the mapping.
         unsafe { self.region.base().add(self.offset) }
     }
+}
+
+/// A fresh anonymous mapping of at least one byte.
+pub(crate) fn anon_map(len: usize) -> Result<MmapRaw> {
+    Ok(MmapRaw::from(
+        memmap2::MmapOptions::new()
+            .len(len.max(1))
+            .map_anon()
+            .map_err(|e| Error::io("mmap", e))?,
+    ))
 }
 
 /// A 64-bit random number from the OS-seeded hasher of `std` (keys, nonces).

@@ -106,7 +106,7 @@ struct Slot {
 /// The shared bookkeeping of one connection.
 #[derive(Debug)]
 pub struct Tracker {
-    conn: u64,
+    owner: u64,
     kind: TransportKind,
     caps: Capabilities,
     slots: Vec<Slot>,
@@ -120,11 +120,13 @@ pub struct Tracker {
 }
 
 impl Tracker {
-    /// A tracker for connection `conn` with `caps.max_in_flight` slots.
-    pub fn new(conn: u64, kind: TransportKind, caps: Capabilities) -> Self {
+    /// A tracker for a connection whose buffers must belong to `owner` (its domain's id;
+    /// the connection's own id for backends that register per connection), with
+    /// `caps.max_in_flight` slots.
+    pub fn new(owner: u64, kind: TransportKind, caps: Capabilities) -> Self {
         let n = caps.max_in_flight.max(1);
         Tracker {
-            conn,
+            owner,
             kind,
             caps,
             slots: (0..n).map(|_| Slot { gen: 0, op: None }).collect(),
@@ -138,9 +140,9 @@ impl Tracker {
         }
     }
 
-    /// The connection id buffers must belong to.
-    pub fn conn(&self) -> u64 {
-        self.conn
+    /// The owner id (domain) buffers must belong to.
+    pub fn owner(&self) -> u64 {
+        self.owner
     }
 
     /// The capabilities it validates against.
@@ -191,8 +193,8 @@ impl Tracker {
             return Err(Error::Disconnected(why.clone()));
         }
         let r = &buf.region().inner;
-        if r.owner != self.conn {
-            return Err(Error::Foreign("buffer registered on another connection"));
+        if r.owner != self.owner {
+            return Err(Error::Foreign("buffer registered in another domain"));
         }
         let max = self.caps.max_message;
         let remote = |key: &RemoteKey, off: u64, len: usize, need: Access, what| {
@@ -403,7 +405,8 @@ impl Tracker {
         }
     }
 
-    /// Records a registered region (backends call this from `register`).
+    /// Records a region registered per connection (backends without a domain call this
+    /// from `register`; their ids are not reused).
     pub fn add_region(&mut self, region: Region) {
         let id = region.id() as usize;
         if self.regions.len() <= id {
@@ -463,7 +466,7 @@ mod tests {
     fn region(t: &mut Tracker, len: usize, access: Access) -> Region {
         let r = Region::anonymous(
             t.next_region_id(),
-            t.conn(),
+            t.owner(),
             TransportKind::Tcp,
             access,
             len,
@@ -502,8 +505,53 @@ mod tests {
         // Foreign buffer.
         let other = Region::anonymous(0, 99, TransportKind::Tcp, Access::empty(), 8).unwrap();
         let e = t.post(OpDesc::Send, other.full(), 1).unwrap_err();
-        assert!(matches!(e.error, Error::Foreign(_)));
+        assert!(
+            matches!(e.error, Error::Foreign(w) if w.contains("domain")),
+            "{}",
+            e.error
+        );
         assert_eq!(t.in_flight(), 0);
+    }
+
+    #[test]
+    fn a_remote_key_of_another_transport_is_refused() {
+        let mut t = Tracker::new(7, TransportKind::Tcp, caps(4));
+        let r = region(&mut t, 64, Access::REMOTE_WRITE | Access::REMOTE_READ);
+        let good = r.remote_key().unwrap();
+        for kind in [
+            TransportKind::Shm,
+            TransportKind::Verbs,
+            TransportKind::CudaIpc,
+        ] {
+            let key = RemoteKey {
+                transport: kind,
+                ..good
+            };
+            for desc in [
+                OpDesc::Write { key, off: 0 },
+                OpDesc::Read { key, off: 0 },
+                OpDesc::Atomic {
+                    key,
+                    off: 0,
+                    op: AtomicOp::FetchAdd { add: 1 },
+                },
+            ] {
+                let e = t.post(desc, r.slice(0, 8).unwrap(), 1).unwrap_err();
+                assert!(
+                    matches!(e.error, Error::Foreign(w) if w.contains("transport")),
+                    "{kind} key accepted for {desc:?}: {}",
+                    e.error
+                );
+            }
+        }
+        // The same key with its own transport passes.
+        t.post(
+            OpDesc::Write { key: good, off: 0 },
+            r.slice(0, 8).unwrap(),
+            1,
+        )
+        .unwrap();
+        assert_eq!(t.in_flight(), 1);
     }
 
     #[test]

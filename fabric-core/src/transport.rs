@@ -252,8 +252,11 @@ pub type PostResult = std::result::Result<(), PostError>;
 pub struct RemoteKey {
     /// Transport the key belongs to.
     pub transport: TransportKind,
-    /// Region id on the owning connection.
+    /// Region id in the owner's domain (reused after the region is dropped).
     pub region: u32,
+    /// Generation of the id: a key of a dropped region is refused even when its id is
+    /// reused.
+    pub gen: u32,
     /// [`Access`] bits granted.
     pub access: u32,
     /// Region length.
@@ -267,11 +270,11 @@ pub struct RemoteKey {
 }
 
 const RKEY_MAGIC: u32 = 0x4b52_4246; // "FBRK"
-const RKEY_VERSION: u8 = 1;
+const RKEY_VERSION: u8 = 2;
 
 impl RemoteKey {
     /// Bytes of a packed key.
-    pub const PACKED_LEN: usize = 44;
+    pub const PACKED_LEN: usize = 48;
 
     /// Serialises the key (little-endian, versioned).
     pub fn pack(&self) -> [u8; Self::PACKED_LEN] {
@@ -286,6 +289,7 @@ impl RemoteKey {
         b[24..32].copy_from_slice(&self.key.to_le_bytes());
         b[32..40].copy_from_slice(&self.addr.to_le_bytes());
         b[40..44].copy_from_slice(&self.rkey.to_le_bytes());
+        b[44..48].copy_from_slice(&self.gen.to_le_bytes());
         b
     }
 
@@ -350,6 +354,7 @@ impl RemoteKey {
         Ok(RemoteKey {
             transport,
             region: u32_at(8),
+            gen: u32_at(44),
             access,
             len: u64_at(16),
             key: u64_at(24),
@@ -378,7 +383,14 @@ pub trait Transport: Send + fmt::Debug {
     /// What the connection can do.
     fn capabilities(&self) -> Capabilities;
 
-    /// Registers `len` bytes of fresh, zeroed memory with `access`.
+    /// The domain the connection belongs to: register caller memory there
+    /// ([`Domain::register_memory`](crate::Domain::register_memory)); its regions work on
+    /// every connection of the domain.
+    #[cfg(not(fabric_loom))]
+    fn domain(&self) -> &crate::Domain;
+
+    /// Registers `len` bytes of fresh, zeroed memory with `access` on the connection's
+    /// domain (the convenient form of [`Domain::register`](crate::Domain::register)).
     ///
     /// # Errors
     /// [`Error::Io`] when memory cannot be allocated or mapped; [`Error::Disconnected`] when
@@ -488,6 +500,7 @@ mod tests {
         let k = RemoteKey {
             transport: TransportKind::Tcp,
             region: 3,
+            gen: 9,
             access: Access::REMOTE_WRITE.bits(),
             len: 4096,
             key: 0xfeed,

@@ -1,6 +1,7 @@
 //! `RemoteKey::decode` on bytes from a peer: a typed error or a key, never a panic; a key
 //! that decodes packs to the same bytes (reserved bytes must be zero); and every key
-//! built from valid fields round-trips.
+//! built from valid fields round-trips, the generation included (keys of a dropped
+//! region differ from those of the region that reuses its id only by it).
 #![no_main]
 
 use arbitrary::{Arbitrary, Unstructured};
@@ -11,6 +12,7 @@ use libfuzzer_sys::fuzz_target;
 struct Fields {
     transport: u8,
     region: u32,
+    gen: u32,
     access: u32,
     len: u64,
     key: u64,
@@ -35,6 +37,7 @@ fuzz_target!(|data: &[u8]| {
         let k = RemoteKey {
             transport,
             region: f.region,
+            gen: f.gen,
             access: access.bits(),
             len: f.len,
             key: f.key,
@@ -42,5 +45,15 @@ fuzz_target!(|data: &[u8]| {
             rkey: f.rkey,
         };
         assert_eq!(RemoteKey::decode(&k.pack()), Ok(k));
+        // Another generation of the same id is another key, on the wire too.
+        let other = RemoteKey {
+            gen: f.gen.wrapping_add(1),
+            ..k
+        };
+        assert_ne!(other.pack(), k.pack());
+        assert_eq!(
+            RemoteKey::decode(&other.pack()).map(|d| d.gen),
+            Ok(other.gen)
+        );
     }
 });

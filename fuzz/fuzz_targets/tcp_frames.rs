@@ -1,7 +1,7 @@
 //! The tcp backend's frame-header decoder on bytes from a peer: a typed error or a header
 //! within the limits (payload length <= MAX_FRAME_PAYLOAD, none on frames that carry none),
 //! never a panic; a header that decodes re-encodes to the same 56 bytes (its reserved
-//! bytes, 3 and 36..40, must be zero).
+//! byte 3 must be zero; 36..40 carry the target region's generation).
 #![no_main]
 
 use fabric_core::backend::tcp::{decode_header, FrameKind, FRAME_HEADER, MAX_FRAME_PAYLOAD};

@@ -67,6 +67,7 @@ use crate::transport::{
 /// The registry entry.
 pub static ENTRY: BackendEntry = BackendEntry {
     kind: TransportKind::CudaIpc,
+    open: None,
     probe,
     listen: |o| Ok(Box::new(CudaIpcListener::bind(o)?)),
     connect: |a, o| Ok(Box::new(CudaIpcConnector::connect(a, o)?)),

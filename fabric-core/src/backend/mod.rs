@@ -10,22 +10,35 @@ use std::os::fd::BorrowedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::domain::{Domain, DomainBackend, MemorySupport};
 use crate::error::{Error, Result};
 use crate::region::{Access, Buf, Region};
 use crate::tracker::{OpDesc, Tracker};
 use crate::transport::{
-    AtomicOp, Capabilities, Completion, PostResult, RemoteKey, Transport, TransportKind,
+    AtomicOp, Capabilities, Completion, MemoryKinds, PostResult, RemoteKey, Transport,
+    TransportKind,
 };
 
+#[cfg(feature = "cuda-ipc")]
 pub mod cuda_ipc;
 pub mod shm;
 pub mod tcp;
+#[cfg(feature = "verbs")]
 pub mod verbs;
 
 /// Every backend this build knows, in automatic-selection preference order.
 /// (A new backend adds its `ENTRY` here.)
-pub static BACKENDS: &[&BackendEntry] =
-    &[&shm::ENTRY, &verbs::ENTRY, &tcp::ENTRY, &cuda_ipc::ENTRY];
+pub static BACKENDS: &[&BackendEntry] = &[
+    &shm::ENTRY,
+    #[cfg(feature = "verbs")]
+    &verbs::ENTRY,
+    &tcp::ENTRY,
+    #[cfg(feature = "cuda-ipc")]
+    &cuda_ipc::ENTRY,
+];
+
+/// Opens a backend's per-device half.
+pub(crate) type OpenDomain = fn(&Options) -> Result<Box<dyn DomainBackend>>;
 
 /// How a backend is found, probed and started.
 pub struct BackendEntry {
@@ -33,7 +46,10 @@ pub struct BackendEntry {
     pub kind: TransportKind,
     /// Whether the backend can run on this machine (`Err` says why not).
     pub probe: fn() -> Result<()>,
-    /// Starts a listener.
+    /// Opens the per-device half (a [`Domain`](crate::Domain)'s backend); `None` for a
+    /// backend whose registrations are per connection (cuda-ipc).
+    pub(crate) open: Option<OpenDomain>,
+    /// Starts a listener (in a fresh domain).
     pub listen: fn(&Options) -> Result<Box<dyn Listener>>,
     /// Starts connecting to a listener's address.
     pub connect: fn(&str, &Options) -> Result<Box<dyn Connector>>,
@@ -87,6 +103,13 @@ pub struct Options {
     ///
     /// [`pair`]: crate::bootstrap::pair
     pub tcp_secret: Option<Vec<u8>>,
+    /// The RDMA device a verbs domain opens (`FABRIC_VERBS_DEVICE` by default; else the
+    /// first with an active port). See `topology::nics` (feature `verbs`).
+    pub verbs_device: Option<String>,
+    /// The port (else the device's first active one).
+    pub verbs_port: Option<u8>,
+    /// The GID index (RoCE; else the first RoCE v2 IPv4-mapped GID, or the first non-zero).
+    pub verbs_gid_index: Option<u8>,
 }
 
 impl Default for Options {
@@ -100,6 +123,9 @@ impl Default for Options {
             tcp_bind: "127.0.0.1:0".into(),
             handshake_timeout: Duration::from_secs(10),
             tcp_secret: None,
+            verbs_device: std::env::var("FABRIC_VERBS_DEVICE").ok(),
+            verbs_port: None,
+            verbs_gid_index: None,
         }
     }
 }
@@ -131,7 +157,8 @@ pub trait Connector: Send + fmt::Debug {
     fn poll_connect(&mut self) -> Result<Option<Box<dyn Transport>>>;
 }
 
-/// Starts listening on `kind`.
+/// Starts listening on `kind`, in a fresh [`Domain`] of its own (use
+/// [`Domain::listen`](crate::Domain::listen) to share registrations among connections).
 ///
 /// # Errors
 /// [`Error::Unavailable`] for an unknown backend; the backend's own setup errors.
@@ -207,8 +234,15 @@ pub(crate) fn next_conn_id() -> u64 {
 /// [`Tracker`].
 pub(crate) trait Hal: Send + fmt::Debug {
     fn kind(&self) -> TransportKind;
-    /// Registers memory and records it with `t.add_region`.
-    fn register(&mut self, t: &mut Tracker, len: usize, access: Access) -> Result<Region>;
+    /// Registers memory per connection and records it with `t.add_region` (backends
+    /// without a domain: cuda-ipc); domain backends register through their
+    /// [`DomainBackend`](crate::domain::DomainBackend).
+    fn register(&mut self, _t: &mut Tracker, _len: usize, _access: Access) -> Result<Region> {
+        Err(Error::Unsupported {
+            transport: self.kind(),
+            what: "per-connection registration",
+        })
+    }
     /// Moves queued operations and incoming data; reports completions to `t`.
     fn progress(&mut self, t: &mut Tracker) -> Result<()>;
     fn wait_fd(&self) -> BorrowedFd<'_>;
@@ -220,11 +254,76 @@ pub(crate) trait Hal: Send + fmt::Debug {
 pub(crate) struct Endpoint<H: Hal> {
     t: Tracker,
     h: H,
+    domain: Domain,
+    /// Registrations go through the hal (connection-scoped backend).
+    per_connection: bool,
+}
+
+/// The per-device half of a backend whose registrations are per connection.
+#[derive(Debug)]
+#[cfg_attr(not(feature = "cuda-ipc"), allow(dead_code))]
+struct ConnectionScoped;
+
+impl DomainBackend for ConnectionScoped {
+    fn admit(&self, _source: crate::domain::Source, _access: Access) -> Result<()> {
+        Err(Error::Unsupported {
+            transport: TransportKind::CudaIpc,
+            what: "domain registration (register on the connection)",
+        })
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+    fn kind(&self) -> TransportKind {
+        TransportKind::CudaIpc
+    }
+    fn memory(&self) -> MemorySupport {
+        MemorySupport {
+            allocated: MemoryKinds::CUDA_DEVICE,
+            allocated_remote: MemoryKinds::CUDA_DEVICE,
+            caller: MemoryKinds::empty(),
+            caller_remote: MemoryKinds::empty(),
+        }
+    }
+    fn listen(&self, _d: &Domain) -> Result<Box<dyn Listener>> {
+        Err(Error::Unsupported {
+            transport: TransportKind::CudaIpc,
+            what: "listening from a connection's domain",
+        })
+    }
+    fn connect(&self, _d: &Domain, _a: &str) -> Result<Box<dyn Connector>> {
+        Err(Error::Unsupported {
+            transport: TransportKind::CudaIpc,
+            what: "connecting from a connection's domain",
+        })
+    }
 }
 
 impl<H: Hal> Endpoint<H> {
+    /// A connection whose registrations are its own (the tracker's owner id is the
+    /// connection's; cuda-ipc).
+    #[cfg_attr(not(feature = "cuda-ipc"), allow(dead_code))]
     pub(crate) fn new(t: Tracker, h: H) -> Self {
-        Endpoint { t, h }
+        let kind = h.kind();
+        let domain = Domain::with_backend(kind, &Options::default(), Box::new(ConnectionScoped));
+        Endpoint {
+            t,
+            h,
+            domain,
+            per_connection: true,
+        }
+    }
+
+    /// A connection of `domain` (the tracker must have been made with `domain.id()`).
+    #[cfg_attr(fabric_loom, allow(dead_code))]
+    pub(crate) fn in_domain(domain: Domain, t: Tracker, h: H) -> Self {
+        debug_assert_eq!(t.owner(), domain.id());
+        Endpoint {
+            t,
+            h,
+            domain,
+            per_connection: false,
+        }
     }
 
     fn post(&mut self, desc: OpDesc, buf: Buf, wr_id: u64) -> PostResult {
@@ -244,6 +343,9 @@ impl<H: Hal> Transport for Endpoint<H> {
     fn capabilities(&self) -> Capabilities {
         *self.t.caps()
     }
+    fn domain(&self) -> &Domain {
+        &self.domain
+    }
     fn register(&mut self, len: usize, access: Access) -> Result<Region> {
         if let Some(why) = self.t.failure() {
             return Err(Error::Disconnected(why.to_string()));
@@ -254,8 +356,12 @@ impl<H: Hal> Transport for Endpoint<H> {
                 what: "remote access",
             });
         }
-        self.h
-            .register(&mut self.t, len, access | Access::LOCAL_WRITE)
+        if self.per_connection {
+            self.h
+                .register(&mut self.t, len, access | Access::LOCAL_WRITE)
+        } else {
+            self.domain.register(len, access)
+        }
     }
     fn post_send(&mut self, buf: Buf, wr_id: u64) -> PostResult {
         self.post(OpDesc::Send, buf, wr_id)

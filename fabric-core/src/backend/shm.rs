@@ -28,14 +28,15 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use memmap2::MmapRaw;
 
-use super::{next_conn_id, BackendEntry, Connector, Endpoint, Hal, Listener, Options};
+use super::{BackendEntry, Connector, Endpoint, Hal, Listener, Options};
+use crate::domain::{Domain, DomainBackend, MemorySupport, Source};
 use crate::error::{Error, Result};
-use crate::region::{check_range, Access, Region};
+use crate::region::{check_range, Access, Memory, Region};
 use crate::ring::{self, Consumer, Producer, RingHeader};
 use crate::sys;
 use crate::tracker::{OpDesc, Token, Tracker};
@@ -47,9 +48,221 @@ use crate::transport::{
 pub static ENTRY: BackendEntry = BackendEntry {
     kind: TransportKind::Shm,
     probe,
-    listen: |o| Ok(Box::new(ShmListener::bind(o)?)),
-    connect: |a, o| Ok(Box::new(ShmConnector::connect(a, o)?)),
+    open: Some(|o| {
+        probe()?;
+        Ok(Box::new(ShmDomain {
+            rndv: o.rndv_bytes,
+            state: Mutex::new(ShmShared::default()),
+        }))
+    }),
+    listen: |o| Domain::open(TransportKind::Shm, o)?.listen(),
+    connect: |a, o| Domain::open(TransportKind::Shm, o)?.connect(a),
 };
+
+/// The shm domain: regions it allocates are sealed `memfd`s; those a peer may address
+/// (remote access, or rendezvous-sized) are announced to every connection of the domain
+/// and revoked at every one when dropped.
+#[derive(Debug)]
+struct ShmDomain {
+    rndv: usize,
+    state: Mutex<ShmShared>,
+}
+
+/// Announced regions and the connections that hear about them (one lock, so a new
+/// connection's snapshot and later announcements never miss or repeat one).
+#[derive(Debug, Default)]
+struct ShmShared {
+    regions: std::collections::BTreeMap<u32, (u32, [u8; ANN_LEN], Arc<OwnedFd>)>,
+    announcers: Vec<std::sync::Weak<Announcer>>,
+}
+
+impl ShmDomain {
+    fn lock(&self) -> std::sync::MutexGuard<'_, ShmShared> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn broadcast(&self, st: &mut ShmShared, msg: impl Fn() -> AnnMsg) {
+        st.announcers.retain(|w| w.strong_count() > 0);
+        for a in st.announcers.iter().filter_map(|w| w.upgrade()) {
+            a.push(msg());
+            // Errors (a peer gone) surface in that connection's own progress.
+            let _ = a.flush();
+        }
+    }
+
+    /// Registers a new connection's announcer, queued with every live announcement.
+    fn attach(&self, a: &Arc<Announcer>) {
+        let mut st = self.lock();
+        for (id, (gen, bytes, fd)) in &st.regions {
+            let _ = (id, gen);
+            a.push(AnnMsg {
+                bytes: *bytes,
+                fd: Some(fd.clone()),
+            });
+        }
+        st.announcers.retain(|w| w.strong_count() > 0);
+        st.announcers.push(Arc::downgrade(a));
+    }
+}
+
+impl DomainBackend for ShmDomain {
+    fn admit(&self, source: Source, access: Access) -> Result<()> {
+        if source == Source::Caller && access.is_remote() {
+            return Err(Error::Unsupported {
+                transport: TransportKind::Shm,
+                what: "one-sided access to caller memory (a peer can only address memory \
+                       it can map; cross-memory attach, process_vm_writev, cannot be \
+                       revoked once a peer holds the key, so it is not offered): register \
+                       with Domain::register for one-sided use",
+            });
+        }
+        Ok(())
+    }
+
+    fn allocate(&self, len: usize) -> Result<(Memory, Option<Arc<OwnedFd>>)> {
+        let size = len.max(1).next_multiple_of(4096);
+        let fd = sys::memfd("fabric-shm-region", size)?;
+        sys::seal_size(fd.as_fd())?;
+        let map = sys::map_shared(fd.as_fd(), size)?;
+        Ok((Memory::Mapped(Arc::new(map)), Some(Arc::new(fd))))
+    }
+
+    fn published(&self, r: &Region) {
+        let Some(fd) = r.inner.fd.clone() else { return };
+        let rndv = self.rndv > 0 && r.len() >= self.rndv;
+        if !r.access().is_remote() && !rndv {
+            return;
+        }
+        let bytes = announcement(r, if rndv { ANN_RNDV } else { 0 });
+        let mut st = self.lock();
+        st.regions
+            .insert(r.id(), (r.generation(), bytes, fd.clone()));
+        self.broadcast(&mut st, || AnnMsg {
+            bytes,
+            fd: Some(fd.clone()),
+        });
+    }
+
+    fn revoked(&self, id: u32, gen: u32) {
+        let mut st = self.lock();
+        match st.regions.get(&id) {
+            Some((g, ..)) if *g == gen => {}
+            _ => return,
+        }
+        st.regions.remove(&id);
+        let bytes = revocation(id, gen);
+        self.broadcast(&mut st, || AnnMsg { bytes, fd: None });
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+    fn kind(&self) -> TransportKind {
+        TransportKind::Shm
+    }
+    fn memory(&self) -> MemorySupport {
+        MemorySupport {
+            allocated: MemoryKinds::HOST,
+            allocated_remote: MemoryKinds::HOST,
+            caller: MemoryKinds::HOST,
+            caller_remote: MemoryKinds::empty(),
+        }
+    }
+
+    fn listen(&self, d: &Domain) -> Result<Box<dyn Listener>> {
+        Ok(Box::new(ShmListener::bind(d)?))
+    }
+
+    fn connect(&self, d: &Domain, address: &str) -> Result<Box<dyn Connector>> {
+        Ok(Box::new(ShmConnector::connect(address, d)?))
+    }
+}
+
+/// One message of the control path: an announcement (with the region's memfd) or a
+/// revocation (without a descriptor).
+#[derive(Debug)]
+struct AnnMsg {
+    bytes: [u8; ANN_LEN],
+    fd: Option<Arc<OwnedFd>>,
+}
+
+/// One connection's end of the control path: messages queued by the domain (from any
+/// thread) and sent without blocking; the rest go on the connection's next progress.
+#[derive(Debug)]
+struct Announcer {
+    /// Messages queued and not yet sent (checked without the lock on every progress).
+    queued: AtomicU64,
+    inner: Mutex<AnnouncerInner>,
+}
+
+#[derive(Debug)]
+struct AnnouncerInner {
+    sock: UnixStream,
+    chan: Arc<Channel>,
+    side: usize,
+    peer_efd: OwnedFd,
+    sent: u64,
+    queue: std::collections::VecDeque<AnnMsg>,
+}
+
+impl Announcer {
+    fn push(&self, m: AnnMsg) {
+        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        g.queue.push_back(m);
+        self.queued.fetch_add(1, Ordering::Release);
+    }
+
+    /// Sends what the socket takes now; `Ok(true)` when nothing is left queued.
+    fn flush(&self) -> Result<bool> {
+        if self.queued.load(Ordering::Acquire) == 0 {
+            return Ok(true);
+        }
+        let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let g = &mut *g;
+        let mut moved = false;
+        while let Some(m) = g.queue.front() {
+            let fds: Vec<BorrowedFd<'_>> = m.fd.iter().map(|f| f.as_fd()).collect();
+            if !sys::send_with_fds(g.sock.as_fd(), &m.bytes, &fds)? {
+                break;
+            }
+            g.queue.pop_front();
+            self.queued.fetch_sub(1, Ordering::Release);
+            g.sent += 1;
+            moved = true;
+        }
+        if moved {
+            // The count moves after the bytes are in the peer's socket queue, so a peer
+            // that sees it (or a later ring record) finds the messages there.
+            g.chan.announced(g.side).store(g.sent, Ordering::Release);
+            fence(Ordering::SeqCst);
+            if g.chan.sleeping(1 - g.side).load(Ordering::Relaxed) != 0 {
+                sys::eventfd_signal(g.peer_efd.as_fd());
+            }
+        }
+        Ok(g.queue.is_empty())
+    }
+}
+
+fn announcement(r: &Region, flags: u32) -> [u8; ANN_LEN] {
+    let mut b = [0u8; ANN_LEN];
+    b[0..4].copy_from_slice(&ANN_MAGIC.to_le_bytes());
+    b[4..8].copy_from_slice(&r.id().to_le_bytes());
+    b[8..16].copy_from_slice(&(r.len() as u64).to_le_bytes());
+    b[16..24].copy_from_slice(&r.inner.key.to_le_bytes());
+    b[24..28].copy_from_slice(&r.access().bits().to_le_bytes());
+    b[28..32].copy_from_slice(&flags.to_le_bytes());
+    b[32..36].copy_from_slice(&r.generation().to_le_bytes());
+    b
+}
+
+fn revocation(id: u32, gen: u32) -> [u8; ANN_LEN] {
+    let mut b = [0u8; ANN_LEN];
+    b[0..4].copy_from_slice(&ANN_MAGIC.to_le_bytes());
+    b[4..8].copy_from_slice(&id.to_le_bytes());
+    b[28..32].copy_from_slice(&ANN_REVOKE.to_le_bytes());
+    b[32..36].copy_from_slice(&gen.to_le_bytes());
+    b
+}
 
 /// Idle polls between two checks of the peer's socket.
 pub const CHECK_EVERY: u32 = 1024;
@@ -58,7 +271,7 @@ const MAGIC: u64 = 0x4642_5348_4d43_4831; // "FBSHMCH1"
 const VERSION: u32 = 1;
 const HELLO_LEN: usize = 24;
 const ANN_MAGIC: u32 = 0x4e4e_4146; // "FANN"
-const ANN_LEN: usize = 32;
+const ANN_LEN: usize = 40;
 const MAX_REMOTE_REGIONS: usize = 65_536;
 const CHAN_HDR: usize = 4096;
 const OFF_SLEEP: [usize; 2] = [1024, 1152];
@@ -79,6 +292,8 @@ const K_RNDV: u8 = 4;
 const RNDV_LEN: usize = 20;
 /// Announcement flag: the region may be read by the peer for rendezvous sends.
 const ANN_RNDV: u32 = 1;
+/// Announcement flag: the region `(id, gen)` is gone (no descriptor, no other fields).
+const ANN_REVOKE: u32 = 2;
 
 fn probe() -> Result<()> {
     let fd = sys::memfd("fabric-probe", 4096).map_err(|e| Error::Unavailable {
@@ -101,6 +316,7 @@ pub struct ShmListener {
     sock: UnixListener,
     address: String,
     opts: Options,
+    domain: Domain,
     pending: Vec<Handshake>,
     uid: u32,
 }
@@ -233,7 +449,8 @@ impl ShmListener {
     ///
     /// # Errors
     /// [`Error::Io`] when the socket cannot be bound.
-    pub fn bind(opts: &Options) -> Result<Self> {
+    pub fn bind(domain: &Domain) -> Result<Self> {
+        let opts = domain.options();
         let mut rnd = [0u8; 8];
         sys::random_bytes(&mut rnd)?;
         let name = format!(
@@ -252,6 +469,7 @@ impl ShmListener {
             sock,
             address: format!("shm:@{name}"),
             opts,
+            domain: domain.clone(),
             pending: Vec::new(),
             uid: sys::uid(),
         })
@@ -314,7 +532,7 @@ impl Listener for ShmListener {
                     let Some(peer_efd) = fds.pop() else {
                         return Err(Error::Protocol("shm hello without its descriptor".into()));
                     };
-                    let t = finish(0, h.chan, h.stream, h.efd, peer_efd, &self.opts)?;
+                    let t = finish(0, h.chan, h.stream, h.efd, peer_efd, &self.domain)?;
                     return Ok(Some(t));
                 }
                 _ => {
@@ -331,7 +549,7 @@ impl Listener for ShmListener {
 #[derive(Debug)]
 pub struct ShmConnector {
     stream: UnixStream,
-    opts: Options,
+    domain: Domain,
     deadline: Instant,
 }
 
@@ -341,7 +559,8 @@ impl ShmConnector {
     /// # Errors
     /// [`Error::InvalidArgument`] for a malformed address; [`Error::Io`] when the listener
     /// is not there; [`Error::PeerUid`] when it runs as another user.
-    pub fn connect(address: &str, opts: &Options) -> Result<Self> {
+    pub fn connect(address: &str, domain: &Domain) -> Result<Self> {
+        let opts = domain.options();
         let name = address.strip_prefix('@').ok_or_else(|| {
             Error::InvalidArgument(format!("shm address {address:?} must start with '@'"))
         })?;
@@ -354,7 +573,7 @@ impl ShmConnector {
         check_peer(&stream)?;
         Ok(ShmConnector {
             stream,
-            opts: opts.clone(),
+            domain: domain.clone(),
             deadline: Instant::now() + opts.handshake_timeout,
         })
     }
@@ -407,7 +626,7 @@ impl Connector for ShmConnector {
             return Err(Error::Timeout("shm answer (socket full)"));
         }
         let stream = self.stream.try_clone().map_err(|e| Error::io("dup", e))?;
-        Ok(Some(finish(1, chan, stream, efd, peer_efd, &self.opts)?))
+        Ok(Some(finish(1, chan, stream, efd, peer_efd, &self.domain)?))
     }
 }
 
@@ -417,15 +636,15 @@ fn finish(
     sock: UnixStream,
     efd: OwnedFd,
     peer_efd: OwnedFd,
-    opts: &Options,
+    domain: &Domain,
 ) -> Result<Box<dyn Transport>> {
+    let opts = domain.options();
     let (tx, rx) = chan.ends(side);
     let chunk = opts
         .chunk_bytes
         .clamp(64, tx.max_payload())
         .min(chan.cap / 4);
     let epoll = sys::epoll_of(&[efd.as_fd(), sock.as_fd()])?;
-    let conn = next_conn_id();
     let caps = Capabilities {
         ordering: MessageOrdering::InOrder,
         one_sided: true,
@@ -435,9 +654,29 @@ fn finish(
         inline_size: chunk,
         memory_kinds: MemoryKinds::HOST,
     };
+    let announcer = Arc::new(Announcer {
+        queued: AtomicU64::new(0),
+        inner: Mutex::new(AnnouncerInner {
+            sock: sock.try_clone().map_err(|e| Error::io("dup", e))?,
+            chan: chan.clone(),
+            side,
+            peer_efd: peer_efd.try_clone().map_err(|e| Error::io("dup", e))?,
+            sent: 0,
+            queue: std::collections::VecDeque::new(),
+        }),
+    });
+    let shm_domain = domain
+        .backend()
+        .as_any()
+        .downcast_ref::<ShmDomain>()
+        .ok_or_else(|| Error::InvalidArgument("an shm connection needs an shm domain".into()))?;
+    shm_domain.attach(&announcer);
     let hal = ShmHal {
         side,
-        conn,
+        announcer,
+        ann_buf: [0; ANN_LEN],
+        ann_got: 0,
+        ann_fds: Vec::new(),
         chan,
         tx,
         rx,
@@ -451,14 +690,14 @@ fn finish(
         rndv_out: std::collections::VecDeque::with_capacity(opts.max_in_flight),
         rndv_seen: 0,
         rndv_done: 0,
-        announced: 0,
         ann_taken: 0,
         rx_state: RxState::Idle,
         idle: 0,
         armed: false,
     };
-    Ok(Box::new(Endpoint::new(
-        Tracker::new(conn, TransportKind::Shm, caps),
+    Ok(Box::new(Endpoint::in_domain(
+        domain.clone(),
+        Tracker::new(domain.id(), TransportKind::Shm, caps),
         hal,
     )))
 }
@@ -478,6 +717,7 @@ enum RxState {
 
 #[derive(Debug)]
 struct RemoteRegion {
+    gen: u32,
     rndv: bool,
     key: u64,
     access: Access,
@@ -490,7 +730,12 @@ struct RemoteRegion {
 #[derive(Debug)]
 struct ShmHal {
     side: usize,
-    conn: u64,
+    /// Our control path (the domain queues announcements and revocations there).
+    announcer: Arc<Announcer>,
+    /// A peer's control message read in part (never waited for inside `poll`).
+    ann_buf: [u8; ANN_LEN],
+    ann_got: usize,
+    ann_fds: Vec<OwnedFd>,
     chan: Arc<Channel>,
     tx: Producer,
     rx: Consumer,
@@ -508,8 +753,6 @@ struct ShmHal {
     rndv_seen: u64,
     /// How many of the peer's rendezvous messages we finished.
     rndv_done: u64,
-    /// Announcements we sent (mirrored in the channel header for the peer).
-    announced: u64,
     /// The peer's announcements we have taken off the socket.
     ann_taken: u64,
     rx_state: RxState,
@@ -536,7 +779,16 @@ impl ShmHal {
         let p = t.live(token, "shm submission")?;
         let desc = p.desc;
         match desc {
-            OpDesc::Send if self.rndv > 0 && p.buf.len() >= self.rndv => {
+            OpDesc::Send
+                if self.rndv > 0
+                    && p.buf.len() >= self.rndv
+                    && p.buf.region().inner.fd.is_some()
+                    && p.buf.region().len() >= self.rndv =>
+            {
+                // The region's announcement must be on the socket before this record.
+                if !self.announcer.flush()? {
+                    return Ok(Step::Blocked(false));
+                }
                 // Rendezvous: the region is announced (registered >= threshold); the peer
                 // copies straight out of it and counts it done in the channel header.
                 let mut rec = [0u8; RNDV_LEN];
@@ -658,7 +910,8 @@ impl ShmHal {
         let Some(r) = self.remote.get(idx).and_then(|r| r.as_ref()) else {
             return Ok(None);
         };
-        if r.key != key.key
+        if r.gen != key.gen
+            || r.key != key.key
             || !r.access.contains(need)
             || check_range(off, len, r.len as u64).is_err()
         {
@@ -682,35 +935,49 @@ impl ShmHal {
         Ok(())
     }
 
-    /// One announcement from the socket; `Ok(false)` when none has arrived.
+    /// One control message from the socket; `Ok(false)` when none has arrived in full
+    /// (a part read is kept for the next call: `poll` never waits for the rest).
     fn take_announcement(&mut self) -> Result<bool> {
-        let mut b = [0u8; ANN_LEN];
-        let mut got = 0;
-        let mut fds = Vec::new();
-        let end = Instant::now() + Duration::from_secs(5);
-        while got < ANN_LEN {
-            match sys::recv_with_fds(self.sock.as_fd(), &mut b[got..])? {
+        while self.ann_got < ANN_LEN {
+            match sys::recv_with_fds(self.sock.as_fd(), &mut self.ann_buf[self.ann_got..])? {
                 Some((0, _)) => return Err(Error::Disconnected("peer hung up".into())),
                 Some((n, f)) => {
-                    got += n;
-                    fds.extend(f);
-                }
-                None if got == 0 => return Ok(false),
-                None => {
-                    if Instant::now() > end {
-                        return Err(Error::Protocol("announced region never arrived".into()));
+                    self.ann_got += n;
+                    self.ann_fds.extend(f);
+                    if self.ann_fds.len() > 1 {
+                        return Err(Error::Protocol(
+                            "announcement with more than one descriptor".into(),
+                        ));
                     }
-                    sys::poll_readable(self.sock.as_fd(), Some(Duration::from_millis(10)))?;
                 }
+                None => return Ok(false),
             }
         }
-        let (rid, len, key, access, flags) = decode_announcement(&b)?;
-        if fds.len() != 1 || rid as usize >= MAX_REMOTE_REGIONS {
-            return Err(Error::Protocol(
-                "announcement does not match its record".into(),
-            ));
+        self.ann_got = 0;
+        let mut fds = std::mem::take(&mut self.ann_fds);
+        let (rid, len, key, access, flags, gen) = decode_announcement(&self.ann_buf)?;
+        let idx = rid as usize;
+        if idx >= MAX_REMOTE_REGIONS {
+            return Err(Error::Protocol(format!(
+                "announced region id {rid} over the limit of {MAX_REMOTE_REGIONS} live regions"
+            )));
         }
-        let Some(fd) = fds.pop() else {
+        if flags & ANN_REVOKE != 0 {
+            if !fds.is_empty() {
+                return Err(Error::Protocol("revocation with a descriptor".into()));
+            }
+            return match self.remote.get_mut(idx) {
+                Some(slot @ Some(_)) if slot.as_ref().is_some_and(|r| r.gen == gen) => {
+                    // Unmapped now: a later operation with the old key is refused.
+                    *slot = None;
+                    Ok(true)
+                }
+                _ => Err(Error::Protocol(
+                    "revocation of a region that is not announced".into(),
+                )),
+            };
+        }
+        let (Some(fd), true) = (fds.pop(), fds.is_empty()) else {
             return Err(Error::Protocol(
                 "announcement without its descriptor".into(),
             ));
@@ -722,11 +989,11 @@ impl ShmHal {
             ));
         }
         let map = sys::map_shared(fd.as_fd(), (len as usize).max(1))?;
-        let idx = rid as usize;
         if self.remote.len() <= idx {
             self.remote.resize_with(idx + 1, || None);
         }
         self.remote[idx] = Some(RemoteRegion {
+            gen,
             rndv: flags & ANN_RNDV != 0,
             key,
             access,
@@ -868,46 +1135,16 @@ impl ShmHal {
         }
         Ok(any)
     }
-
-    fn send_announcement(&mut self, r: &Region) -> Result<()> {
-        let mut b = [0u8; ANN_LEN];
-        b[0..4].copy_from_slice(&ANN_MAGIC.to_le_bytes());
-        b[4..8].copy_from_slice(&r.id().to_le_bytes());
-        b[8..16].copy_from_slice(&(r.len() as u64).to_le_bytes());
-        b[16..24].copy_from_slice(&r.inner.key.to_le_bytes());
-        b[24..28].copy_from_slice(&r.access().bits().to_le_bytes());
-        let flags = if self.rndv > 0 && r.len() >= self.rndv {
-            ANN_RNDV
-        } else {
-            0
-        };
-        b[28..32].copy_from_slice(&flags.to_le_bytes());
-        let fd = r.inner.fd.as_ref().expect("shm regions have a memfd");
-        let end = Instant::now() + Duration::from_secs(5);
-        while !sys::send_with_fds(self.sock.as_fd(), &b, &[fd.as_fd()])? {
-            if Instant::now() > end {
-                return Err(Error::Timeout("region announcement (socket full)"));
-            }
-            std::thread::sleep(Duration::from_micros(100));
-        }
-        // The count moves after the bytes are in the peer's socket queue, so a peer that
-        // sees it (or a later ring record) finds the announcement there.
-        self.announced += 1;
-        self.chan
-            .announced(self.side)
-            .store(self.announced, Ordering::Release);
-        self.notify_peer();
-        Ok(())
-    }
 }
 
-/// Decodes a region announcement: `(region id, len, key, access, flags)`.
+/// Decodes a control message: `(region id, len, key, access, flags, generation)`; with
+/// the revocation flag only the id and generation count (the rest must be zero).
 ///
 /// # Errors
 /// A [`DecodeError`](crate::DecodeError) for a wrong length, magic or access bits.
 pub fn decode_announcement(
     b: &[u8],
-) -> std::result::Result<(u32, u64, u64, Access, u32), crate::DecodeError> {
+) -> std::result::Result<(u32, u64, u64, Access, u32, u32), crate::DecodeError> {
     use crate::DecodeError as D;
     if b.len() != ANN_LEN {
         return Err(D::Truncated {
@@ -939,13 +1176,27 @@ pub fn decode_announcement(
         });
     }
     let flags = u32::from_le_bytes(b[28..32].try_into().unwrap_or_default());
-    if flags & !ANN_RNDV != 0 {
+    if flags & !(ANN_RNDV | ANN_REVOKE) != 0 || flags == ANN_RNDV | ANN_REVOKE {
         return Err(D::Invalid {
             what: "shm announcement flags",
             value: flags as u64,
         });
     }
-    Ok((id, len, key, access, flags))
+    let gen = u32::from_le_bytes(b[32..36].try_into().unwrap_or_default());
+    let reserved = u32::from_le_bytes(b[36..40].try_into().unwrap_or_default());
+    if reserved != 0 {
+        return Err(D::Invalid {
+            what: "shm announcement reserved bytes",
+            value: reserved as u64,
+        });
+    }
+    if flags & ANN_REVOKE != 0 && (len != 0 || key != 0 || bits != 0) {
+        return Err(D::Invalid {
+            what: "shm revocation with region fields",
+            value: len | key | bits as u64,
+        });
+    }
+    Ok((id, len, key, access, flags, gen))
 }
 
 impl Consumer {
@@ -961,33 +1212,20 @@ impl Hal for ShmHal {
         TransportKind::Shm
     }
 
-    fn register(&mut self, t: &mut Tracker, len: usize, access: Access) -> Result<Region> {
-        let size = len.max(1).next_multiple_of(4096);
-        let fd = sys::memfd("fabric-shm-region", size)?;
-        sys::seal_size(fd.as_fd())?;
-        let map = sys::map_shared(fd.as_fd(), size)?;
-        let r = Region::new(
-            t.next_region_id(),
-            self.conn,
-            TransportKind::Shm,
-            access,
-            len,
-            map,
-            Some(fd),
-        );
-        if access.is_remote() || (self.rndv > 0 && len >= self.rndv) {
-            self.send_announcement(&r)?;
-        }
-        t.add_region(r.clone());
-        Ok(r)
-    }
-
     fn progress(&mut self, t: &mut Tracker) -> Result<()> {
         if self.armed {
             self.armed = false;
             self.chan.sleeping(self.side).store(0, Ordering::Relaxed);
             sys::eventfd_drain(self.efd.as_fd());
             self.idle = CHECK_EVERY - 1;
+        }
+        if let Err(e) = self.announcer.flush() {
+            if sys::peer_hung_up(self.sock.as_fd()) {
+                while self.receive(t)? {}
+                t.fail_all(Status::PeerGone, "shm peer hung up");
+                return Ok(());
+            }
+            return Err(e);
         }
         self.take_announcements()?;
         let mut moved = false;
@@ -1079,19 +1317,34 @@ mod tests {
         a[16..24].copy_from_slice(&77u64.to_le_bytes());
         a[24..28].copy_from_slice(&(Access::REMOTE_WRITE.bits()).to_le_bytes());
         a[28..32].copy_from_slice(&ANN_RNDV.to_le_bytes());
+        a[32..36].copy_from_slice(&3u32.to_le_bytes());
         assert_eq!(
             decode_announcement(&a).unwrap(),
-            (5, 4096, 77, Access::REMOTE_WRITE, ANN_RNDV)
+            (5, 4096, 77, Access::REMOTE_WRITE, ANN_RNDV, 3)
         );
+        let r = revocation(5, 3);
+        assert_eq!(
+            decode_announcement(&r).unwrap(),
+            (5, 0, 0, Access::empty(), ANN_REVOKE, 3)
+        );
+        let mut bad = r;
+        bad[16] = 1;
+        assert!(decode_announcement(&bad).is_err(), "revocation with a key");
+        let mut bad = a;
+        bad[28..32].copy_from_slice(&(ANN_RNDV | ANN_REVOKE).to_le_bytes());
+        assert!(decode_announcement(&bad).is_err(), "both flags");
+        let mut bad = a;
+        bad[36] = 1;
+        assert!(decode_announcement(&bad).is_err(), "reserved bytes");
         let mut bad = a;
         bad[24..28].copy_from_slice(&0xffu32.to_le_bytes());
         assert!(decode_announcement(&bad).is_err(), "unknown access bits");
         let mut bad = a;
-        bad[28..32].copy_from_slice(&2u32.to_le_bytes());
+        bad[28..32].copy_from_slice(&4u32.to_le_bytes());
         assert!(decode_announcement(&bad).is_err(), "unknown flags");
         let mut bad = a;
         bad[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
         assert!(decode_announcement(&bad).is_err(), "absurd length");
-        assert!(decode_announcement(&a[..31]).is_err());
+        assert!(decode_announcement(&a[..39]).is_err());
     }
 }

@@ -26,9 +26,10 @@ use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::time::Instant;
 
-use super::{next_conn_id, BackendEntry, Connector, Endpoint, Hal, Listener, Options};
+use super::{BackendEntry, Connector, Endpoint, Hal, Listener, Options};
 use crate::bootstrap::auth;
 use crate::bootstrap::wire::{MAC_LEN, NONCE_LEN};
+use crate::domain::{Domain, DomainBackend, MemorySupport};
 use crate::error::{DecodeError, Error, Result};
 use crate::region::{Access, Region};
 use crate::sys;
@@ -41,9 +42,38 @@ use crate::transport::{
 pub static ENTRY: BackendEntry = BackendEntry {
     kind: TransportKind::Tcp,
     probe: || Ok(()),
-    listen: |o| Ok(Box::new(TcpListenerT::bind(o)?)),
-    connect: |a, o| Ok(Box::new(TcpConnector::connect(a, o)?)),
+    open: Some(|_| Ok(Box::new(TcpDomain))),
+    listen: |o| Domain::open(TransportKind::Tcp, o)?.listen(),
+    connect: |a, o| Domain::open(TransportKind::Tcp, o)?.connect(a),
 };
+
+/// The tcp domain: nothing per device; caller memory needs no registration (the
+/// target side checks keys against the domain's registry).
+#[derive(Debug)]
+struct TcpDomain;
+
+impl DomainBackend for TcpDomain {
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+    fn kind(&self) -> TransportKind {
+        TransportKind::Tcp
+    }
+    fn memory(&self) -> MemorySupport {
+        MemorySupport {
+            allocated: MemoryKinds::HOST,
+            allocated_remote: MemoryKinds::HOST,
+            caller: MemoryKinds::HOST,
+            caller_remote: MemoryKinds::HOST,
+        }
+    }
+    fn listen(&self, d: &Domain) -> Result<Box<dyn Listener>> {
+        Ok(Box::new(TcpListenerT::bind(d)?))
+    }
+    fn connect(&self, d: &Domain, address: &str) -> Result<Box<dyn Connector>> {
+        Ok(Box::new(TcpConnector::connect(address, d)?))
+    }
+}
 
 const HELLO_MAGIC: u64 = 0x3150_4354_4246_4246; // "FBFBTCP1"
 /// Bytes of the hello each side sends first: magic `u64`, flags `u32` (bit 0: this side
@@ -99,6 +129,8 @@ pub struct FrameHeader {
     pub offset: u64,
     /// Target region id.
     pub region: u32,
+    /// Target region id's generation.
+    pub gen: u32,
     /// Operand / result.
     pub aux0: u64,
     /// Second operand.
@@ -116,6 +148,7 @@ impl FrameHeader {
             key: 0,
             offset: 0,
             region: 0,
+            gen: 0,
             aux0: 0,
             aux1: 0,
         }
@@ -132,6 +165,7 @@ impl FrameHeader {
         b[16..24].copy_from_slice(&self.key.to_le_bytes());
         b[24..32].copy_from_slice(&self.offset.to_le_bytes());
         b[32..36].copy_from_slice(&self.region.to_le_bytes());
+        b[36..40].copy_from_slice(&self.gen.to_le_bytes());
         b[40..48].copy_from_slice(&self.aux0.to_le_bytes());
         b[48..56].copy_from_slice(&self.aux1.to_le_bytes());
         b
@@ -141,7 +175,7 @@ impl FrameHeader {
 /// Decodes a frame header from a peer.
 ///
 /// # Errors
-/// A [`DecodeError`] for a short buffer, non-zero reserved bytes (3 and 36..40), an
+/// A [`DecodeError`] for a short buffer, a non-zero reserved byte (3), an
 /// unknown type, status or atomic op, or a length over [`MAX_FRAME_PAYLOAD`].
 pub fn decode_header(b: &[u8]) -> std::result::Result<FrameHeader, DecodeError> {
     if b.len() < FRAME_HEADER {
@@ -171,11 +205,10 @@ pub fn decode_header(b: &[u8]) -> std::result::Result<FrameHeader, DecodeError> 
             })
         }
     };
-    let reserved = [b[3], b[36], b[37], b[38], b[39]];
-    if reserved != [0; 5] {
+    if b[3] != 0 {
         return Err(DecodeError::Invalid {
-            what: "tcp frame header reserved bytes (must be zero)",
-            value: u64::from_le_bytes([0, 0, 0, b[3], b[36], b[37], b[38], b[39]]),
+            what: "tcp frame header reserved byte (must be zero)",
+            value: b[3] as u64,
         });
     }
     if b[1] > 1 {
@@ -217,6 +250,7 @@ pub fn decode_header(b: &[u8]) -> std::result::Result<FrameHeader, DecodeError> 
         key: u64_at(16),
         offset: u64_at(24),
         region: u32::from_le_bytes([b[32], b[33], b[34], b[35]]),
+        gen: u32::from_le_bytes([b[36], b[37], b[38], b[39]]),
         aux0: u64_at(40),
         aux1: u64_at(48),
     })
@@ -391,6 +425,7 @@ pub struct TcpListenerT {
     sock: TcpListener,
     address: String,
     opts: Options,
+    domain: Domain,
     pending: Vec<(TcpStream, Hello, Instant)>,
 }
 
@@ -399,7 +434,8 @@ impl TcpListenerT {
     ///
     /// # Errors
     /// [`Error::Io`] when the address cannot be bound.
-    pub fn bind(opts: &Options) -> Result<Self> {
+    pub fn bind(domain: &Domain) -> Result<Self> {
+        let opts = domain.options();
         let sock = TcpListener::bind(&opts.tcp_bind).map_err(|e| Error::io("bind(tcp)", e))?;
         sock.set_nonblocking(true)
             .map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
@@ -408,6 +444,7 @@ impl TcpListenerT {
             sock,
             address: format!("tcp:{a}"),
             opts: opts.clone(),
+            domain: domain.clone(),
             pending: Vec::new(),
         })
     }
@@ -441,7 +478,7 @@ impl Listener for TcpListenerT {
             match h.step(s) {
                 Ok(true) => {
                     let (s, ..) = self.pending.swap_remove(i);
-                    return Ok(Some(finish(s, &self.opts)?));
+                    return Ok(Some(finish(s, &self.domain)?));
                 }
                 Ok(false) if Instant::now() < *end => i += 1,
                 _ => {
@@ -461,7 +498,7 @@ pub struct TcpConnector {
     connected: bool,
     hello: Hello,
     end: Instant,
-    opts: Options,
+    domain: Domain,
 }
 
 impl TcpConnector {
@@ -469,7 +506,8 @@ impl TcpConnector {
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] for an address that does not resolve; [`Error::Io`].
-    pub fn connect(address: &str, opts: &Options) -> Result<Self> {
+    pub fn connect(address: &str, domain: &Domain) -> Result<Self> {
+        let opts = domain.options();
         let addr: SocketAddr = address
             .to_socket_addrs()
             .map_err(|e| Error::InvalidArgument(format!("tcp address {address:?}: {e}")))?
@@ -483,7 +521,7 @@ impl TcpConnector {
             connected: false,
             hello: Hello::new(opts.tcp_secret.clone(), 1)?,
             end: Instant::now() + opts.handshake_timeout,
-            opts: opts.clone(),
+            domain: domain.clone(),
         })
     }
 }
@@ -504,13 +542,13 @@ impl Connector for TcpConnector {
             return Ok(None);
         }
         let s = self.s.try_clone().map_err(|e| Error::io("dup", e))?;
-        Ok(Some(finish(s, &self.opts)?))
+        Ok(Some(finish(s, &self.domain)?))
     }
 }
 
-fn finish(sock: TcpStream, opts: &Options) -> Result<Box<dyn Transport>> {
+fn finish(sock: TcpStream, domain: &Domain) -> Result<Box<dyn Transport>> {
+    let opts = domain.options();
     let epoll = sys::epoll_of(&[sock.as_fd()])?;
-    let conn = next_conn_id();
     let caps = Capabilities {
         ordering: MessageOrdering::InOrder,
         one_sided: true,
@@ -521,7 +559,7 @@ fn finish(sock: TcpStream, opts: &Options) -> Result<Box<dyn Transport>> {
         memory_kinds: MemoryKinds::HOST,
     };
     let hal = TcpHal {
-        conn,
+        domain: domain.clone(),
         sock,
         epoll,
         epoll_out: false,
@@ -534,8 +572,9 @@ fn finish(sock: TcpStream, opts: &Options) -> Result<Box<dyn Transport>> {
         rx: Rx::Header,
         eof: false,
     };
-    Ok(Box::new(Endpoint::new(
-        Tracker::new(conn, TransportKind::Tcp, caps),
+    Ok(Box::new(Endpoint::in_domain(
+        domain.clone(),
+        Tracker::new(domain.id(), TransportKind::Tcp, caps),
         hal,
     )))
 }
@@ -586,7 +625,8 @@ enum Then {
 
 #[derive(Debug)]
 struct TcpHal {
-    conn: u64,
+    /// Target-side checks go to the domain's registry.
+    domain: Domain,
     sock: TcpStream,
     epoll: OwnedFd,
     epoll_out: bool,
@@ -659,6 +699,7 @@ impl TcpHal {
                 h.key = key.key;
                 h.offset = off;
                 h.region = key.region;
+                h.gen = key.gen;
                 (h, p.buf.as_ptr() as *const u8, len, true)
             }
             OpDesc::Read { key, off } => {
@@ -666,6 +707,7 @@ impl TcpHal {
                 h.key = key.key;
                 h.offset = off;
                 h.region = key.region;
+                h.gen = key.gen;
                 (h, std::ptr::null(), 0, true)
             }
             OpDesc::Atomic { key, off, op } => {
@@ -673,6 +715,7 @@ impl TcpHal {
                 h.key = key.key;
                 h.offset = off;
                 h.region = key.region;
+                h.gen = key.gen;
                 match op {
                     AtomicOp::CompareSwap { expect, new } => {
                         h.op = 1;
@@ -905,7 +948,14 @@ impl TcpHal {
             FrameKind::Write => {
                 let mut ack = FrameHeader::new(FrameKind::WriteAck);
                 ack.token = h.token;
-                match t.check_target(h.region, h.key, h.offset, len as u64, Access::REMOTE_WRITE) {
+                match self.domain.check_target(
+                    h.region,
+                    h.gen,
+                    h.key,
+                    h.offset,
+                    len as u64,
+                    Access::REMOTE_WRITE,
+                ) {
                     Ok(r) => {
                         // SAFETY: offset + len within the region (check_target).
                         let d = unsafe { r.base().add(h.offset as usize) };
@@ -930,7 +980,14 @@ impl TcpHal {
             FrameKind::ReadReq => {
                 let mut resp = FrameHeader::new(FrameKind::ReadResp);
                 resp.token = h.token;
-                match t.check_target(h.region, h.key, h.offset, len as u64, Access::REMOTE_READ) {
+                match self.domain.check_target(
+                    h.region,
+                    h.gen,
+                    h.key,
+                    h.offset,
+                    len as u64,
+                    Access::REMOTE_READ,
+                ) {
                     Ok(r) => {
                         resp.len = h.len;
                         self.owed.push_back(Owed {
@@ -953,10 +1010,18 @@ impl TcpHal {
                 let r = if h.offset % 8 != 0 {
                     Err(Status::RemoteAccess)
                 } else {
-                    t.check_target(h.region, h.key, h.offset, 8, Access::REMOTE_ATOMIC)
+                    self.domain.check_target(
+                        h.region,
+                        h.gen,
+                        h.key,
+                        h.offset,
+                        8,
+                        Access::REMOTE_ATOMIC,
+                    )
                 };
-                match r.map(|r| r.atomic_at(h.offset as usize)) {
-                    Ok(Ok(a)) => {
+                let r = r.ok();
+                match r.as_ref().map(|r| r.atomic_at(h.offset as usize)) {
+                    Some(Ok(a)) => {
                         use std::sync::atomic::Ordering::SeqCst;
                         resp.aux0 = if h.op == 1 {
                             match a.compare_exchange(h.aux0, h.aux1, SeqCst, SeqCst) {
@@ -1030,18 +1095,6 @@ impl TcpHal {
 impl Hal for TcpHal {
     fn kind(&self) -> TransportKind {
         TransportKind::Tcp
-    }
-
-    fn register(&mut self, t: &mut Tracker, len: usize, access: Access) -> Result<Region> {
-        let r = Region::anonymous(
-            t.next_region_id(),
-            self.conn,
-            TransportKind::Tcp,
-            access,
-            len,
-        )?;
-        t.add_region(r.clone());
-        Ok(r)
     }
 
     fn progress(&mut self, t: &mut Tracker) -> Result<()> {
@@ -1120,6 +1173,7 @@ mod tests {
         h.key = 7;
         h.offset = 64;
         h.region = 3;
+        h.gen = 0xdead_beef;
         h.aux0 = 5;
         h.aux1 = 6;
         assert_eq!(decode_header(&h.encode()).unwrap(), h);
@@ -1133,14 +1187,12 @@ mod tests {
             decode_header(&b),
             Err(DecodeError::Invalid { .. })
         ));
-        for i in [3usize, 36, 39] {
-            let mut b = h.encode();
-            b[i] = 1; // reserved
-            assert!(
-                matches!(decode_header(&b), Err(DecodeError::Invalid { .. })),
-                "reserved byte {i} ignored"
-            );
-        }
+        let mut b = h.encode();
+        b[3] = 1; // reserved
+        assert!(
+            matches!(decode_header(&b), Err(DecodeError::Invalid { .. })),
+            "reserved byte 3 ignored"
+        );
         let mut b = h.encode();
         b[2] = 9; // unknown atomic op
         assert!(decode_header(&b).is_err());

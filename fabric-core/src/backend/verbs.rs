@@ -17,13 +17,12 @@
 use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::Arc;
 use std::time::Instant;
 
 use ibverbs_safe as ib;
-use memmap2::MmapRaw;
 
 use super::{next_conn_id, BackendEntry, Connector, Endpoint, Hal, Listener, Options};
+use crate::domain::{Domain, DomainBackend, MemorySupport, Registered};
 use crate::error::{Error, Result};
 use crate::region::{Access, Region};
 use crate::sys;
@@ -36,9 +35,157 @@ use crate::transport::{
 pub static ENTRY: BackendEntry = BackendEntry {
     kind: TransportKind::Verbs,
     probe: || probe().map(|_| ()),
-    listen: |o| Ok(Box::new(VerbsListener::bind(o)?)),
-    connect: |a, o| Ok(Box::new(VerbsConnector::connect(a, o)?)),
+    open: Some(|o| Ok(Box::new(VerbsDomain::open(o)?))),
+    listen: |o| Domain::open(TransportKind::Verbs, o)?.listen(),
+    connect: |a, o| Domain::open(TransportKind::Verbs, o)?.connect(a),
 };
+
+/// The verbs domain: one device context and protection domain, shared by every
+/// connection's queue pair and every registration.
+struct VerbsDomain {
+    ctx: ib::Context,
+    pd: ib::ProtectionDomain,
+    device: String,
+    port: u8,
+    gid: Option<u8>,
+}
+
+impl std::fmt::Debug for VerbsDomain {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VerbsDomain")
+            .field("device", &self.device)
+            .field("port", &self.port)
+            .field("gid", &self.gid)
+            .finish()
+    }
+}
+
+impl VerbsDomain {
+    fn open(opts: &Options) -> Result<Self> {
+        let (device, port, gid) = probe_with(opts)?;
+        let e = |e: ib::Error| unavailable(e.to_string());
+        let ctx = ib::open(Some(&device)).map_err(e)?;
+        let pd = ctx.alloc_pd().map_err(e)?;
+        Ok(VerbsDomain {
+            ctx,
+            pd,
+            device,
+            port,
+            gid,
+        })
+    }
+}
+
+impl DomainBackend for VerbsDomain {
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
+    fn register(&self, ptr: *mut u8, len: usize, access: Access) -> Result<Registered> {
+        let ra = remote_access(access);
+        let mut mr: Mr = self
+            .pd
+            .register_remote(
+                RawMem {
+                    ptr,
+                    len: len.max(1),
+                },
+                ra,
+            )
+            .map_err(|e| Error::Io {
+                op: "ibv_reg_mr",
+                source: io::Error::other(e.to_string()),
+            })?;
+        let rkey = mr.rkey();
+        let full = mr
+            .slice(..len.min(u32::MAX as usize))
+            .map_err(|e| Error::Protocol(e.to_string()))?;
+        Ok(Registered {
+            backing: Some(Box::new(Backing {
+                _mr: Box::new(mr),
+                full,
+            })),
+            rkey,
+        })
+    }
+
+    #[cfg(feature = "cuda-ipc")]
+    fn register_dmabuf(&self, buf: nvlink_p2p::DmaBuf, access: Access) -> Result<Registered> {
+        let ra = remote_access(access);
+        let (fd, offset, len, iova, memory) = buf.into_parts();
+        let mr = self
+            .pd
+            .register_dmabuf(fd.as_fd(), offset, len, iova, ra, memory)
+            .map_err(|e| {
+                if e.is_unsupported() {
+                    Error::Unsupported {
+                        transport: TransportKind::Verbs,
+                        what: "GPU memory (DMA-BUF) on this device, provider or kernel \
+                               (Soft-RoCE cannot; rdma-core >= 34 and a GPUDirect-capable \
+                               NIC are needed)",
+                    }
+                } else {
+                    Error::Io {
+                        op: "ibv_reg_dmabuf_mr",
+                        source: io::Error::other(e.to_string()),
+                    }
+                }
+            })?;
+        let rkey = mr.rkey();
+        let full = mr
+            .slice(..len.min(u32::MAX as usize))
+            .map_err(|e| Error::Protocol(e.to_string()))?;
+        Ok(Registered {
+            backing: Some(Box::new(Backing {
+                _mr: Box::new(mr),
+                full,
+            })),
+            rkey,
+        })
+    }
+
+    fn kind(&self) -> TransportKind {
+        TransportKind::Verbs
+    }
+
+    fn memory(&self) -> MemorySupport {
+        MemorySupport {
+            allocated: MemoryKinds::HOST,
+            allocated_remote: MemoryKinds::HOST,
+            caller: MemoryKinds::HOST | MemoryKinds::CUDA_DEVICE,
+            caller_remote: MemoryKinds::HOST | MemoryKinds::CUDA_DEVICE,
+        }
+    }
+
+    fn listen(&self, d: &Domain) -> Result<Box<dyn Listener>> {
+        Ok(Box::new(VerbsListener::bind(d)?))
+    }
+
+    fn connect(&self, d: &Domain, address: &str) -> Result<Box<dyn Connector>> {
+        Ok(Box::new(VerbsConnector::connect(address, d)?))
+    }
+}
+
+fn remote_access(access: Access) -> ib::RemoteAccess {
+    let mut ra = ib::RemoteAccess::empty();
+    if access.contains(Access::REMOTE_WRITE) {
+        ra |= ib::RemoteAccess::WRITE;
+    }
+    if access.contains(Access::REMOTE_READ) {
+        ra |= ib::RemoteAccess::READ;
+    }
+    if access.contains(Access::REMOTE_ATOMIC) {
+        ra |= ib::RemoteAccess::ATOMIC;
+    }
+    ra
+}
+
+fn verbs_domain(d: &Domain) -> Result<&VerbsDomain> {
+    d.backend()
+        .as_any()
+        .downcast_ref::<VerbsDomain>()
+        .ok_or_else(|| Error::InvalidArgument("a verbs connection needs a verbs domain".into()))
+}
 
 const HELLO_MAGIC: u64 = 0x3153_4252_4556_4246; // "FBVERBS1"
 const HELLO_LEN: usize = 16 + ib::Endpoint::ENCODED_LEN;
@@ -53,12 +200,18 @@ fn unavailable(reason: impl Into<String>) -> Error {
     }
 }
 
-/// Device, port and GID index to use: `FABRIC_VERBS_DEVICE` if set, else the first device
-/// with an active port; on Ethernet the first RoCE v2 IPv4-mapped GID (else the first
-/// non-zero one).
+/// Device, port and GID index to use with default options.
 fn probe() -> Result<(String, u8, Option<u8>)> {
+    probe_with(&Options::default())
+}
+
+/// Device, port and GID index to use: [`Options::verbs_device`] (default
+/// `FABRIC_VERBS_DEVICE`) if set, else the first device with an active port;
+/// [`Options::verbs_port`] if set, else its first active port; [`Options::verbs_gid_index`]
+/// if set, else on Ethernet the first RoCE v2 IPv4-mapped GID (else the first non-zero one).
+fn probe_with(opts: &Options) -> Result<(String, u8, Option<u8>)> {
     let devs = ib::devices().map_err(|e| unavailable(e.to_string()))?;
-    let want = std::env::var("FABRIC_VERBS_DEVICE").ok();
+    let want = opts.verbs_device.clone();
     for d in devs {
         if want.as_deref().is_some_and(|w| w != d.name) {
             continue;
@@ -70,11 +223,28 @@ fn probe() -> Result<(String, u8, Option<u8>)> {
             continue;
         };
         for port in 1..=attr.phys_port_cnt {
+            if opts.verbs_port.is_some_and(|w| w != port) {
+                continue;
+            }
             let Ok(p) = ctx.query_port(port) else {
                 continue;
             };
             if !p.is_active() {
                 continue;
+            }
+            if let Some(g) = opts.verbs_gid_index {
+                let gids = ctx.gid_table(port).unwrap_or_default();
+                if !gids
+                    .iter()
+                    .any(|e| e.index == u32::from(g) && !e.gid.is_zero())
+                {
+                    return Err(Error::InvalidArgument(format!(
+                        "GID index {g} is not a populated entry of {}'s port {port} ({} populated)",
+                        d.name,
+                        gids.iter().filter(|e| !e.gid.is_zero()).count()
+                    )));
+                }
+                return Ok((d.name, port, Some(g)));
             }
             if p.link_layer != ib::LinkLayer::Ethernet {
                 return Ok((d.name, port, None));
@@ -93,32 +263,45 @@ fn probe() -> Result<(String, u8, Option<u8>)> {
             }
         }
     }
-    Err(unavailable(match want {
-        Some(w) => format!("RDMA device {w} (FABRIC_VERBS_DEVICE) absent or without an active port"),
-        None => "no RDMA device with an active port (load rdma_rxe / attach a NIC; rdma-core installed?)".into(),
+    Err(unavailable(match (want, opts.verbs_port) {
+        (Some(w), Some(p)) => format!("RDMA device {w} has no active port {p}"),
+        (None, Some(p)) => format!("no RDMA device with an active port {p}"),
+        (Some(w), None) => format!("RDMA device {w} (Options::verbs_device / FABRIC_VERBS_DEVICE) absent or without an active port"),
+        (None, None) => "no RDMA device with an active port (load rdma_rxe / attach a NIC; rdma-core installed?)".into(),
     }))
 }
 
-/// Memory shared by a [`Region`] and its verbs registration.
-struct MapBuf(Arc<MmapRaw>);
+/// The bytes of a [`Region`] as its verbs registration sees them. The region owns the
+/// memory and drops the registration (its `backing`) before it (field order of
+/// `RegionInner`), so the pointer outlives the MR.
+struct RawMem {
+    ptr: *mut u8,
+    len: usize,
+}
 
-// SAFETY: the mapping's address is fixed for as long as the `Arc` (held here) lives, and
-// it is `len` bytes of readable, writable memory.
-unsafe impl ib::RegionBuffer for MapBuf {
+// SAFETY: the memory belongs to a `Send + Sync` region; this is only its address.
+unsafe impl Send for RawMem {}
+// SAFETY: as above.
+unsafe impl Sync for RawMem {}
+
+// SAFETY: `ptr` is fixed and valid for `len` readable, writable bytes for as long as the
+// registration exists: the region that owns the memory releases the registration first.
+unsafe impl ib::RegionBuffer for RawMem {
     fn as_mut_ptr(&mut self) -> *mut u8 {
-        self.0.as_mut_ptr()
+        self.ptr
     }
     fn len(&self) -> usize {
-        self.0.len()
+        self.len
     }
 }
 
-type Mr = ib::MemoryRegion<MapBuf, ib::Remote>;
+type Mr = ib::MemoryRegion<RawMem, ib::Remote>;
 
 /// A region's verbs registration and a handle over all of it (sub-handles are cut from it
 /// per post without touching the registration).
 struct Backing {
-    _mr: Mr,
+    /// The host MR or the DMA-BUF device MR.
+    _mr: Box<dyn std::any::Any + Send + Sync>,
     full: ib::MrSlice,
 }
 
@@ -127,7 +310,7 @@ struct Verbs {
     qp: ib::QueuePair<ib::Rc>,
     cq: ib::CompletionQueue,
     channel: ib::CompletionChannel,
-    pd: ib::ProtectionDomain,
+    _pd: ib::ProtectionDomain,
 }
 
 impl std::fmt::Debug for Verbs {
@@ -146,11 +329,13 @@ struct Prepared {
     pd: ib::ProtectionDomain,
 }
 
-fn prepare(opts: &Options) -> Result<Prepared> {
-    let (dev, port, gid) = probe()?;
+fn prepare(domain: &Domain) -> Result<Prepared> {
+    let opts = domain.options();
+    let vd = verbs_domain(domain)?;
+    let (port, gid) = (vd.port, vd.gid);
     let e = |e: ib::Error| unavailable(e.to_string());
-    let ctx = ib::open(Some(&dev)).map_err(e)?;
-    let pd = ctx.alloc_pd().map_err(e)?;
+    let ctx = &vd.ctx;
+    let pd = vd.pd.clone();
     let channel = ctx.create_comp_channel().map_err(e)?;
     channel.set_nonblocking(true).map_err(e)?;
     let cq = ctx.create_cq_with_channel(CQ_DEPTH, &channel).map_err(e)?;
@@ -235,11 +420,12 @@ struct Pending {
 }
 
 impl Pending {
-    fn new(s: TcpStream, opts: &Options) -> Result<Self> {
+    fn new(s: TcpStream, domain: &Domain) -> Result<Self> {
+        let opts = domain.options();
         s.set_nonblocking(true)
             .map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
         let _ = s.set_nodelay(true);
-        let prepared = prepare(opts)?;
+        let prepared = prepare(domain)?;
         let mine = hello(&prepared.qp.endpoint());
         Ok(Pending {
             s,
@@ -251,7 +437,7 @@ impl Pending {
         })
     }
 
-    fn step(&mut self, opts: &Options) -> Result<Option<Box<dyn Transport>>> {
+    fn step(&mut self, domain: &Domain) -> Result<Option<Box<dyn Transport>>> {
         let Some(peer) = exchange(&self.s, &self.mine, &mut self.sent, &mut self.got)? else {
             if Instant::now() > self.end {
                 return Err(Error::Timeout("verbs handshake"));
@@ -268,10 +454,10 @@ impl Pending {
                 qp,
                 cq: p.cq,
                 channel: p.channel,
-                pd: p.pd,
+                _pd: p.pd,
             },
             s,
-            opts,
+            domain,
         )
         .map(Some)
     }
@@ -281,7 +467,7 @@ impl Pending {
 pub struct VerbsListener {
     sock: TcpListener,
     address: String,
-    opts: Options,
+    domain: Domain,
     pending: Vec<Pending>,
 }
 
@@ -298,8 +484,8 @@ impl VerbsListener {
     ///
     /// # Errors
     /// [`Error::Unavailable`] without an active RDMA port; [`Error::Io`] for the socket.
-    pub fn bind(opts: &Options) -> Result<Self> {
-        probe()?;
+    pub fn bind(domain: &Domain) -> Result<Self> {
+        let opts = domain.options();
         let sock = TcpListener::bind(&opts.tcp_bind).map_err(|e| Error::io("bind(tcp)", e))?;
         sock.set_nonblocking(true)
             .map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
@@ -307,7 +493,7 @@ impl VerbsListener {
         Ok(VerbsListener {
             sock,
             address: format!("verbs:{a}"),
-            opts: opts.clone(),
+            domain: domain.clone(),
             pending: Vec::new(),
         })
     }
@@ -324,7 +510,7 @@ impl Listener for VerbsListener {
         loop {
             match self.sock.accept() {
                 Ok((s, _)) => {
-                    if let Ok(p) = Pending::new(s, &self.opts) {
+                    if let Ok(p) = Pending::new(s, &self.domain) {
                         self.pending.push(p);
                     }
                 }
@@ -335,7 +521,7 @@ impl Listener for VerbsListener {
         }
         let mut i = 0;
         while i < self.pending.len() {
-            match self.pending[i].step(&self.opts) {
+            match self.pending[i].step(&self.domain) {
                 Ok(Some(t)) => {
                     self.pending.swap_remove(i);
                     return Ok(Some(t));
@@ -356,7 +542,7 @@ pub struct VerbsConnector {
     s: TcpStream,
     connected: bool,
     pending: Option<Pending>,
-    opts: Options,
+    domain: Domain,
     end: Instant,
 }
 
@@ -373,8 +559,8 @@ impl VerbsConnector {
     ///
     /// # Errors
     /// [`Error::Unavailable`] without an active RDMA port; address and socket errors.
-    pub fn connect(address: &str, opts: &Options) -> Result<Self> {
-        probe()?;
+    pub fn connect(address: &str, domain: &Domain) -> Result<Self> {
+        let opts = domain.options();
         let addr: SocketAddr = address
             .to_socket_addrs()
             .map_err(|e| Error::InvalidArgument(format!("verbs address {address:?}: {e}")))?
@@ -386,7 +572,7 @@ impl VerbsConnector {
             s: sys::tcp_connect_start(addr)?,
             connected: false,
             pending: None,
-            opts: opts.clone(),
+            domain: domain.clone(),
             end: Instant::now() + opts.handshake_timeout,
         })
     }
@@ -403,16 +589,17 @@ impl Connector for VerbsConnector {
             }
             self.connected = true;
             let s = self.s.try_clone().map_err(|e| Error::io("dup", e))?;
-            self.pending = Some(Pending::new(s, &self.opts)?);
+            self.pending = Some(Pending::new(s, &self.domain)?);
         }
         match self.pending.as_mut() {
-            Some(p) => p.step(&self.opts),
+            Some(p) => p.step(&self.domain),
             None => Err(Error::Protocol("verbs connector reused".into())),
         }
     }
 }
 
-fn finish(v: Verbs, sock: TcpStream, opts: &Options) -> Result<Box<dyn Transport>> {
+fn finish(v: Verbs, sock: TcpStream, domain: &Domain) -> Result<Box<dyn Transport>> {
+    let opts = domain.options();
     let epoll = sys::epoll_of(&[v.channel.as_fd(), sock.as_fd()])?;
     let conn = next_conn_id();
     let caps = Capabilities {
@@ -433,8 +620,9 @@ fn finish(v: Verbs, sock: TcpStream, opts: &Options) -> Result<Box<dyn Transport
         idle: 0,
         armed: false,
     };
-    Ok(Box::new(Endpoint::new(
-        Tracker::new(conn, TransportKind::Verbs, caps),
+    Ok(Box::new(Endpoint::in_domain(
+        domain.clone(),
+        Tracker::new(domain.id(), TransportKind::Verbs, caps),
         hal,
     )))
 }
@@ -580,51 +768,6 @@ impl VerbsHal {
 impl Hal for VerbsHal {
     fn kind(&self) -> TransportKind {
         TransportKind::Verbs
-    }
-
-    fn register(&mut self, t: &mut Tracker, len: usize, access: Access) -> Result<Region> {
-        let map = Arc::new(
-            memmap2::MmapOptions::new()
-                .len(len.max(1))
-                .map_anon()
-                .map(MmapRaw::from)
-                .map_err(|e| Error::io("mmap", e))?,
-        );
-        let mut ra = ib::RemoteAccess::empty();
-        if access.contains(Access::REMOTE_WRITE) {
-            ra |= ib::RemoteAccess::WRITE;
-        }
-        if access.contains(Access::REMOTE_READ) {
-            ra |= ib::RemoteAccess::READ;
-        }
-        if access.contains(Access::REMOTE_ATOMIC) {
-            ra |= ib::RemoteAccess::ATOMIC;
-        }
-        let mut mr: Mr = self
-            .v
-            .pd
-            .register_remote(MapBuf(map.clone()), ra)
-            .map_err(|e| Error::Io {
-                op: "ibv_reg_mr",
-                source: io::Error::other(e.to_string()),
-            })?;
-        let rkey = mr.rkey();
-        let full = mr
-            .slice(..len.min(u32::MAX as usize))
-            .map_err(|e| Error::Protocol(e.to_string()))?;
-        let r = Region::with_backing(
-            t.next_region_id(),
-            self.conn,
-            TransportKind::Verbs,
-            access,
-            len,
-            map,
-            None,
-            Some(Box::new(Backing { _mr: mr, full })),
-            rkey,
-        );
-        t.add_region(r.clone());
-        Ok(r)
     }
 
     fn progress(&mut self, t: &mut Tracker) -> Result<()> {

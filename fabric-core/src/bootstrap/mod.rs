@@ -485,7 +485,7 @@ pub fn host_id() -> String {
 
 /// Whether an RDMA device with an active port is present (the verbs backend's probe).
 pub fn local_rdma_active() -> bool {
-    (crate::backend::verbs::ENTRY.probe)().is_ok()
+    crate::backend::entry(TransportKind::Verbs).is_ok_and(|e| (e.probe)().is_ok())
 }
 
 /// Picks the transport for two endpoints: `forced` if given; else shm on the same host,
@@ -639,19 +639,58 @@ pub fn pair(
     }
 }
 
-/// `tcp:0.0.0.0:P` → `tcp:*:P` (the peer substitutes the IP it bootstrapped with).
+/// `KIND:0.0.0.0:P` / `KIND:[::]:P` → `KIND:*:P` for every backend whose address is a
+/// socket address (tcp, verbs's side channel): the peer substitutes the IP it
+/// bootstrapped with.
 fn publishable(addr: &str) -> String {
-    match addr.strip_prefix("tcp:0.0.0.0:") {
-        Some(port) => format!("tcp:*:{port}"),
+    let Some((kind, rest)) = addr.split_once(':') else {
+        return addr.to_string();
+    };
+    for wild in ["0.0.0.0:", "[::]:"] {
+        if let Some(port) = rest.strip_prefix(wild) {
+            return format!("{kind}:*:{port}");
+        }
+    }
+    addr.to_string()
+}
+
+/// `KIND:*:P` → `KIND:IP:P` (brackets for an IPv6 `ip`), for any backend prefix.
+pub fn resolve_wildcard(addr: &str, ip: &str) -> String {
+    let Some((kind, rest)) = addr.split_once(':') else {
+        return addr.to_string();
+    };
+    match rest.strip_prefix("*:") {
+        Some(port) if ip.contains(':') => format!("{kind}:[{ip}]:{port}"),
+        Some(port) => format!("{kind}:{ip}:{port}"),
         None => addr.to_string(),
     }
 }
 
-/// `tcp:*:P` → `tcp:IP:P`.
-pub fn resolve_wildcard(addr: &str, ip: &str) -> String {
-    match addr.strip_prefix("tcp:*:") {
-        Some(port) if ip.contains(':') => format!("tcp:[{ip}]:{port}"),
-        Some(port) => format!("tcp:{ip}:{port}"),
-        None => addr.to_string(),
+#[cfg(test)]
+mod wildcard_tests {
+    use super::*;
+
+    #[test]
+    fn every_backends_wildcard_address_is_published_and_resolved() {
+        for kind in ["tcp", "verbs"] {
+            let p = publishable(&format!("{kind}:0.0.0.0:4000"));
+            assert_eq!(p, format!("{kind}:*:4000"), "{kind} wildcard not rewritten");
+            assert_eq!(
+                resolve_wildcard(&p, "10.0.0.2"),
+                format!("{kind}:10.0.0.2:4000")
+            );
+            assert_eq!(
+                resolve_wildcard(&p, "fd00::2"),
+                format!("{kind}:[fd00::2]:4000")
+            );
+            let p6 = publishable(&format!("{kind}:[::]:4000"));
+            assert_eq!(p6, format!("{kind}:*:4000"));
+            // A concrete address travels unchanged.
+            let c = format!("{kind}:10.0.0.1:4000");
+            assert_eq!(publishable(&c), c);
+            assert_eq!(resolve_wildcard(&c, "10.0.0.2"), c);
+        }
+        assert_eq!(publishable("shm:@name"), "shm:@name");
+        assert_eq!(resolve_wildcard("shm:@name", "10.0.0.2"), "shm:@name");
     }
 }
