@@ -10,6 +10,9 @@ use std::time::{Duration, Instant};
 use fabric_core::bootstrap::{self, wire, Role, Server};
 use fabric_core::{backend::Options, Access, Completion, Error, OpKind, TransportKind};
 
+mod support;
+use support::skip;
+
 const SECRET: &[u8] = b"correct horse battery staple";
 
 /// Reads the server's challenge, then returns whatever it answers to `send` (the error
@@ -234,12 +237,15 @@ fn non_loopback_ipv4() -> Option<String> {
 #[test]
 fn pair_across_two_addresses_over_tcp_and_verbs() {
     let Some(ip) = non_loopback_ipv4() else {
-        eprintln!("skipped: no non-loopback IPv4 address on this machine");
+        skip(
+            "non-loopback-ipv4",
+            format_args!("no non-loopback IPv4 address on this machine"),
+        );
         return;
     };
     pair_roundtrip_at("0.0.0.0", &ip, Some(TransportKind::Tcp), TransportKind::Tcp);
     match fabric_core::Domain::open(TransportKind::Verbs, &Options::default()) {
-        Err(e) => eprintln!("skipped: no RDMA device ({e})"),
+        Err(e) => skip("rdma", format_args!("no RDMA device ({e})")),
         Ok(_) => pair_roundtrip_at(
             "0.0.0.0",
             &ip,

@@ -16,6 +16,9 @@ use fabric_core::{
 
 const DEADLINE: Duration = Duration::from_secs(20);
 
+mod support;
+use support::skip;
+
 /// fd / mapping counts are process-wide: the tests run one at a time.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
@@ -46,7 +49,7 @@ fn domains(kind: TransportKind) -> Option<(Domain, Domain)> {
         (Ok(a), Ok(b)) => Some((a, b)),
         (Err(e), _) | (_, Err(e)) => {
             assert_eq!(kind, TransportKind::Verbs, "{kind} domain: {e}");
-            eprintln!("skipped: no RDMA device ({e})");
+            skip("rdma", format_args!("no RDMA device ({e})"));
             None
         }
     }
@@ -462,21 +465,30 @@ fn gpu_memory_registration_is_verbs_only_and_typed_elsewhere() {
     let cuda = match nvlink_p2p::Cuda::init() {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("skipped: no GPU (CUDA driver: {e}); GPU memory registration unverified");
+            skip(
+                "gpu",
+                format_args!("no GPU (CUDA driver: {e}); GPU memory registration unverified"),
+            );
             return;
         }
     };
     let dev = match cuda.device(0) {
         Ok(d) => d,
         Err(e) => {
-            eprintln!("skipped: no GPU ({e}); GPU memory registration unverified");
+            skip(
+                "gpu",
+                format_args!("no GPU ({e}); GPU memory registration unverified"),
+            );
             return;
         }
     };
     let buf = std::sync::Arc::new(dev.alloc(1 << 20).expect("GPU allocation"));
     let export = || nvlink_p2p::DmaBuf::export(&buf, 0, 1 << 20);
     if let Err(e) = export() {
-        eprintln!("skipped: DMA-BUF export unavailable ({e}); GPU memory registration unverified");
+        skip(
+            "gpu",
+            format_args!("DMA-BUF export unavailable ({e}); GPU memory registration unverified"),
+        );
         return;
     }
     for kind in [TransportKind::Shm, TransportKind::Tcp] {
@@ -487,7 +499,10 @@ fn gpu_memory_registration_is_verbs_only_and_typed_elsewhere() {
         assert!(matches!(e, Error::Unsupported { .. }), "{kind}: {e}");
     }
     match Domain::open(TransportKind::Verbs, &Options::default()) {
-        Err(e) => eprintln!("skipped: no RDMA device ({e}); GPUDirect RDMA unverified"),
+        Err(e) => skip(
+            "rdma",
+            format_args!("no RDMA device ({e}); GPUDirect RDMA unverified"),
+        ),
         Ok(d) => match d.register_dmabuf(export().unwrap(), Access::REMOTE_WRITE) {
             Err(e @ Error::Unsupported { .. }) => {
                 println!("GPUDirect RDMA unavailable on this NIC (typed): {e}")
@@ -515,14 +530,14 @@ fn verbs_device_selection() {
     let nics = match fabric_core::topology::nics() {
         Ok(n) => n,
         Err(e) => {
-            eprintln!("skipped: no RDMA device (libibverbs: {e})");
+            skip("rdma", format_args!("no RDMA device (libibverbs: {e})"));
             return;
         }
     };
     let Some(nic) = nics.iter().find(|n| n.is_active()) else {
-        eprintln!(
-            "skipped: no RDMA device with an active port ({} listed)",
-            nics.len()
+        skip(
+            "rdma",
+            format_args!("no RDMA device with an active port ({} listed)", nics.len()),
         );
         return;
     };

@@ -24,7 +24,7 @@
 # Lines starting "unverified:" (a test saying what it could not check) are repeated in the
 # summary.
 set -u
-export FABRIC_REQUIRE=${SOFTROCE_FABRIC_REQUIRE:-rdma,vgem,verbs-headers,libibverbs,librdmacm,examples,cc}
+export FABRIC_REQUIRE=${SOFTROCE_FABRIC_REQUIRE:-rdma,vgem,verbs-headers,libibverbs,librdmacm,examples,cc,non-loopback-ipv4}
 SKIP_ALLOW=${SOFTROCE_SKIP_ALLOW:-'\[lacks gpu\]'}
 read -r -a FLAKY_BEFORE <<< "${SOFTROCE_FLAKY_BEFORE:-}"
 LIST=${1:?usage: guest-suite.sh TESTLIST EXAMPLES_DIR}

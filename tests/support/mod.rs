@@ -10,7 +10,8 @@
 //! `libibverbs` (the library itself), `librdmacm` (the rdma_cm library), `examples` (the
 //! example binaries built next to the test binaries), `cc` (a C compiler for stand-in
 //! drivers), `gpu` (a CUDA driver and GPU; `NVLINK_P2P_REQUIRE_GPU=1` requires it too),
-//! `no-gpu` (a machine without one).
+//! `no-gpu` (a machine without one), `non-loopback-ipv4` (an IPv4 address other than
+//! 127.0.0.0/8, to cross two addresses).
 
 /// Says why a test did not run — `skipped: <why> [lacks <capability>] [<test>]`, past
 /// libtest's output capture so that `cargo test` shows it — or, where `FABRIC_REQUIRE` names
