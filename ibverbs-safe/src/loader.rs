@@ -70,12 +70,15 @@ pub(crate) type RegDmabufMrFn =
 /// Symbol version that introduced `ibv_reg_dmabuf_mr`.
 pub(crate) const REG_DMABUF_MR_VERSION: &str = "IBVERBS_1.12";
 
-struct Library {
+/// A `dlopen`ed library that is never closed (no Drop), so the function pointers resolved
+/// from it stay valid for the life of the process. Shared by the libibverbs table and the
+/// librdmacm table (`cm::loader`).
+pub(crate) struct Library {
     handle: *mut c_void,
 }
 
 impl Library {
-    fn open(name: &str) -> std::result::Result<Self, String> {
+    pub(crate) fn open(name: &str) -> std::result::Result<Self, String> {
         let cname = std::ffi::CString::new(name).map_err(|e| e.to_string())?;
         // SAFETY: `cname` is a valid NUL-terminated string; dlopen has no other preconditions.
         let handle = unsafe { libc::dlopen(cname.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
@@ -96,7 +99,11 @@ impl Library {
     /// symbol versions still resolves (the dynamic linker accepts unversioned definitions
     /// for a versioned lookup in an object that has no version information); that is the
     /// only "fallback" there is, and it is the linker's.
-    fn sym(&self, name: &str, version: &str) -> std::result::Result<*mut c_void, String> {
+    pub(crate) fn sym(
+        &self,
+        name: &str,
+        version: &str,
+    ) -> std::result::Result<*mut c_void, String> {
         let n = std::ffi::CString::new(name).map_err(|e| e.to_string())?;
         let v = std::ffi::CString::new(version).map_err(|e| e.to_string())?;
         // SAFETY: the handle came from a successful dlopen and both strings are NUL-terminated.
@@ -127,7 +134,7 @@ fn dlerror_string() -> String {
 ///
 /// # Safety
 /// `F` must be a function-pointer type matching the C prototype of the symbol at `p`.
-unsafe fn fn_ptr<F: Copy>(p: *mut c_void) -> F {
+pub(crate) unsafe fn fn_ptr<F: Copy>(p: *mut c_void) -> F {
     assert_eq!(std::mem::size_of::<F>(), std::mem::size_of::<*mut c_void>());
     // SAFETY: same size (checked); the caller guarantees the type matches the symbol.
     unsafe { std::mem::transmute_copy::<*mut c_void, F>(&p) }

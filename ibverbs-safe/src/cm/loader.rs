@@ -4,9 +4,10 @@
 #![allow(unsafe_code)]
 
 use crate::error::{Error, Result};
+use crate::loader::{fn_ptr, Library};
 use crate::sys::cm::*;
 use crate::sys::ibv_qp_attr;
-use std::ffi::{c_int, c_void, CStr, CString};
+use std::ffi::{c_int, c_void};
 use std::sync::OnceLock;
 
 /// The library soname we open.
@@ -49,51 +50,9 @@ pub(crate) struct CmLib {
     pub migrate_id: unsafe extern "C" fn(*mut rdma_cm_id, *mut rdma_event_channel) -> c_int,
 }
 
-fn dlerror_string() -> String {
-    // SAFETY: dlerror returns either NULL or a valid C string owned by libc.
-    let e = unsafe { libc::dlerror() };
-    if e.is_null() {
-        "unknown dlopen error".into()
-    } else {
-        // SAFETY: non-null and NUL-terminated; copied before any other dl* call.
-        unsafe { CStr::from_ptr(e) }.to_string_lossy().into_owned()
-    }
-}
-
-/// Resolves exactly `name@version` in `handle` (librdmacm has versioned every symbol since
-/// its first release, so there is no unversioned fallback).
-fn vsym(
-    handle: *mut c_void,
-    name: &str,
-    version: &str,
-) -> std::result::Result<*mut c_void, String> {
-    let n = CString::new(name).map_err(|e| e.to_string())?;
-    let v = CString::new(version).map_err(|e| e.to_string())?;
-    // SAFETY: `handle` came from a successful dlopen; both strings are NUL-terminated.
-    let p = unsafe { libc::dlvsym(handle, n.as_ptr(), v.as_ptr()) };
-    if p.is_null() {
-        Err(format!(
-            "symbol {name}@{version} not found: {}",
-            dlerror_string()
-        ))
-    } else {
-        Ok(p)
-    }
-}
-
-/// Reinterprets a symbol address as a function pointer.
-///
-/// # Safety
-/// `F` must be a function-pointer type matching the C prototype of the symbol at `p`.
-unsafe fn fn_ptr<F: Copy>(p: *mut c_void) -> F {
-    assert_eq!(std::mem::size_of::<F>(), std::mem::size_of::<*mut c_void>());
-    // SAFETY: same size (checked); the caller guarantees the type matches the symbol.
-    unsafe { std::mem::transmute_copy::<*mut c_void, F>(&p) }
-}
-
 macro_rules! resolve {
     ($h:expr, $name:literal, $ver:literal) => {{
-        let p = vsym($h, $name, $ver)?;
+        let p = $h.sym($name, $ver)?;
         // SAFETY: `p` is the non-null address of the librdmacm function `$name`, whose C
         // prototype (rdma_cma.h) matches the field's fn-pointer type.
         unsafe { fn_ptr(p) }
@@ -103,13 +62,9 @@ macro_rules! resolve {
 impl CmLib {
     /// Opens `library` and resolves every entry point.
     pub(crate) fn load_from(library: &str) -> std::result::Result<Self, String> {
-        let name = CString::new(library).map_err(|e| e.to_string())?;
-        // SAFETY: `name` is a valid NUL-terminated string.
-        let h = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
-        if h.is_null() {
-            return Err(dlerror_string());
-        }
-        // The handle is never closed: the table below is `'static`.
+        // Exactly `name@version` (librdmacm has versioned every symbol since its first
+        // release). The library is never closed: the table below is `'static`.
+        let h = Library::open(library)?;
         Ok(CmLib {
             create_event_channel: resolve!(h, "rdma_create_event_channel", "RDMACM_1.0"),
             destroy_event_channel: resolve!(h, "rdma_destroy_event_channel", "RDMACM_1.0"),
