@@ -26,8 +26,9 @@ fn buffer(conn: &mut dyn Transport, len: usize, access: Access) -> fabric_core::
         .domain()
         .register_memory(AlignedBuf::new(len.max(1), 4096)?, access)
     {
-        Err(Error::Unsupported { .. }) => conn.register(len, access),
-        other => other,
+        Ok(r) => Ok(r),
+        Err(e) if matches!(e.error(), Error::Unsupported { .. }) => conn.register(len, access),
+        Err(e) => Err(e.into()),
     }
 }
 

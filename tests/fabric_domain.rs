@@ -253,7 +253,7 @@ fn shm_refuses_remote_access_to_caller_memory_at_registration() {
         .register_memory(vec![0u8; 4096], Access::REMOTE_WRITE)
         .unwrap_err();
     assert!(
-        matches!(e, Error::Unsupported { transport: TransportKind::Shm, what } if what.contains("caller memory")),
+        matches!(e.error(), Error::Unsupported { transport: TransportKind::Shm, what } if what.contains("caller memory")),
         "{e}"
     );
     // Two-sided use of caller memory and one-sided use of allocated memory are offered.
@@ -261,6 +261,119 @@ fn shm_refuses_remote_access_to_caller_memory_at_registration() {
     assert!(d.register(4096, Access::REMOTE_WRITE).is_ok());
     let m = d.memory_support();
     assert!(m.caller_remote.is_empty() && !m.allocated_remote.is_empty());
+}
+
+/// A refused registration hands the caller's memory back: the same allocation (same
+/// address), with the caller's bytes, for every owned form; `?` still converts the refusal
+/// into an `Error`.
+fn refused_registration_hands_the_memory_back(kind: TransportKind) {
+    let Some((d, _)) = domains(kind) else {
+        return;
+    };
+    let check_vec = |access: Access, what: &str| {
+        let v = pattern(4096, 9);
+        let addr = v.as_ptr();
+        let e = d.register_memory(v, access).unwrap_err();
+        assert!(
+            matches!(e.error(), Error::Unsupported { .. }),
+            "{kind} {what}: {e}"
+        );
+        assert!(e.to_string().contains("handed back"), "{e}");
+        let back = e.into_memory();
+        assert_eq!(back.as_ptr(), addr, "{kind} {what}: the same allocation");
+        assert_eq!(back, pattern(4096, 9), "{kind} {what}: the caller's bytes");
+        // Nothing was left registered or reserved, and the memory registers two-sided.
+        assert_eq!(d.live_regions(), 0, "{kind} {what}");
+        let r = d.register_memory(back, Access::empty()).unwrap();
+        let back: Vec<u8> = r.into_memory().unwrap();
+        assert_eq!(back, pattern(4096, 9));
+    };
+    if kind == TransportKind::Shm {
+        // shm refuses one-sided access to caller memory.
+        check_vec(Access::REMOTE_WRITE, "remote write");
+        check_vec(Access::REMOTE_ATOMIC, "remote atomics");
+    }
+    // Every backend refuses zero bytes of caller memory; the (empty but allocated) Vec
+    // comes back with its capacity.
+    let mut v: Vec<u64> = Vec::with_capacity(100);
+    v.push(7);
+    v.clear();
+    let addr = v.as_ptr();
+    let e = d.register_memory(v, Access::empty()).unwrap_err();
+    assert!(
+        matches!(e.error(), Error::InvalidArgument(_)),
+        "{kind}: {e}"
+    );
+    let v = e.into_memory();
+    assert_eq!(
+        (v.as_ptr(), v.capacity()),
+        (addr, 100),
+        "{kind}: the same Vec"
+    );
+    let mut mm = memmap2::MmapMut::map_anon(4096).unwrap();
+    mm[..5].copy_from_slice(b"mmap!");
+    let addr = mm.as_ptr();
+    let access = if kind == TransportKind::Shm {
+        Access::REMOTE_READ
+    } else {
+        // No refusal for a mapping elsewhere: it registers, and comes back on release.
+        Access::empty()
+    };
+    match d.register_memory(mm, access) {
+        Err(e) => {
+            assert_eq!(kind, TransportKind::Shm, "{e}");
+            let mm = e.into_memory();
+            assert_eq!((mm.as_ptr(), &mm[..5]), (addr, &b"mmap!"[..]));
+        }
+        Ok(r) => {
+            assert_ne!(
+                kind,
+                TransportKind::Shm,
+                "shm gave remote access to caller memory"
+            );
+            let mm: memmap2::MmapMut = r.into_memory().unwrap();
+            assert_eq!((mm.as_ptr(), &mm[..5]), (addr, &b"mmap!"[..]));
+        }
+    }
+    // `?` converts the refusal into the crate's error (the memory is dropped then).
+    let via_question_mark = || -> fabric_core::Result<Region> {
+        Ok(d.register_memory(Vec::<u8>::new(), Access::empty())?)
+    };
+    assert!(matches!(
+        via_question_mark(),
+        Err(Error::InvalidArgument(_))
+    ));
+    // The raw form hands its keep-alive back too.
+    let mut boxed = vec![1u8; 64].into_boxed_slice();
+    let ptr = boxed.as_mut_ptr();
+    // SAFETY: a null pointer is refused before anything is touched; `boxed` stays alive.
+    let e = unsafe { d.register_raw(std::ptr::null_mut(), 64, Box::new(boxed), Access::empty()) }
+        .unwrap_err();
+    assert!(matches!(e.error(), Error::InvalidArgument(_)), "{e}");
+    let boxed = e.into_memory().downcast::<Box<[u8]>>().unwrap();
+    assert_eq!(
+        (boxed.as_ptr(), &boxed[..]),
+        (ptr.cast_const(), &[1u8; 64][..])
+    );
+    assert_eq!(d.live_regions(), 0);
+}
+
+#[test]
+fn shm_refused_registration_hands_the_memory_back() {
+    let _serial = serial();
+    refused_registration_hands_the_memory_back(TransportKind::Shm);
+}
+
+#[test]
+fn tcp_refused_registration_hands_the_memory_back() {
+    let _serial = serial();
+    refused_registration_hands_the_memory_back(TransportKind::Tcp);
+}
+
+#[test]
+fn verbs_refused_registration_hands_the_memory_back() {
+    let _serial = serial();
+    refused_registration_hands_the_memory_back(TransportKind::Verbs);
 }
 
 #[test]

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use crate::backend::{self, Connector, Listener, Options};
 use crate::error::{Error, Result};
-use crate::memory::RegisterMemory;
+use crate::memory::{RegisterError, RegisterMemory};
 use crate::region::{random_u64, Access, Memory, Parts, Region, RegionInner, Revoke};
 use crate::registry::{Entry, Registry};
 use crate::transport::{MemoryKinds, Status, TransportKind};
@@ -56,6 +56,14 @@ impl crate::region::DeviceBacking for GpuMemory {
     fn as_any(&self) -> &dyn std::any::Any {
         self
     }
+}
+
+/// A registration the backend accepted, with its reserved id, not yet a region.
+struct Prepared {
+    id: u32,
+    gen: u32,
+    reg: Registered,
+    access: Access,
 }
 
 /// What a backend contributes to a registration.
@@ -300,8 +308,13 @@ impl Domain {
             Memory::Caller { ptr, .. } => *ptr,
             Memory::Placeholder(m) => m.as_mut_ptr(),
         };
-        let reg = self.inner.backend.register(ptr, len, access)?;
-        self.finish(mem, fd, None, reg, len, access)
+        let (id, gen) = self.reserve()?;
+        let reg = self
+            .inner
+            .backend
+            .register(ptr, len, access)
+            .inspect_err(|_| self.unreserve(id, gen))?;
+        Ok(self.finish(id, gen, mem, fd, None, reg, len, access))
     }
 
     /// Registers memory the caller owns, in place (no copy): `Vec<u8>`, `Box<[u8]>`,
@@ -310,14 +323,26 @@ impl Domain {
     /// memory until it is dropped; [`Region::into_memory`] gives it back.
     ///
     /// # Errors
-    /// As [`register`](Self::register); [`Error::Unsupported`] with the reason when the
-    /// backend cannot give peers one-sided access to caller memory (shm).
-    pub fn register_memory<M: RegisterMemory>(&self, mut mem: M, access: Access) -> Result<Region> {
+    /// A [`RegisterError`] that hands `mem` back untouched, with the reason: as
+    /// [`register`](Self::register); [`Error::InvalidArgument`] for memory of zero bytes;
+    /// [`Error::Unsupported`] with the reason when the backend cannot give peers one-sided
+    /// access to caller memory (shm). `?` turns it into an [`Error`] where the memory is
+    /// not wanted back.
+    pub fn register_memory<M: RegisterMemory>(
+        &self,
+        mut mem: M,
+        access: Access,
+    ) -> std::result::Result<Region, RegisterError<M>> {
         let ptr = mem.as_mut_ptr();
         let len = mem.byte_len();
         // SAFETY: `RegisterMemory` promises `ptr` is valid for `len` bytes while `mem` lives
-        // and does not move with it; `mem` becomes the keep-alive.
-        unsafe { self.register_raw(ptr, len, Box::new(mem), access) }
+        // and does not move with it; on success `mem` becomes the region's keep-alive, on
+        // failure nothing refers to the bytes any more (the backend registration, if any,
+        // is gone) before `mem` is handed back.
+        match unsafe { self.register_caller(ptr, len, access) } {
+            Ok(p) => Ok(self.finish_caller(p, ptr, len, Box::new(mem))),
+            Err(e) => Err(RegisterError::new(e, mem)),
+        }
     }
 
     /// Registers `len` bytes at `ptr` that foreign code owns; `keep` is dropped (after the
@@ -330,27 +355,69 @@ impl Domain {
     /// 3. the memory is host memory of this process.
     ///
     /// # Errors
-    /// As [`register_memory`](Self::register_memory); [`Error::InvalidArgument`] for a
-    /// null pointer.
+    /// As [`register_memory`](Self::register_memory) (the [`RegisterError`] hands `keep`
+    /// back); [`Error::InvalidArgument`] for a null pointer.
     pub unsafe fn register_raw(
         &self,
         ptr: *mut u8,
         len: usize,
         keep: Box<dyn std::any::Any + Send + Sync>,
         access: Access,
-    ) -> Result<Region> {
+    ) -> std::result::Result<Region, RegisterError<Box<dyn std::any::Any + Send + Sync>>> {
+        // SAFETY: the caller's promises (this function's contract) are the ones
+        // `register_caller` needs.
+        match unsafe { self.register_caller(ptr, len, access) } {
+            Ok(p) => Ok(self.finish_caller(p, ptr, len, keep)),
+            Err(e) => Err(RegisterError::new(e, keep)),
+        }
+    }
+
+    /// Checks, admits and registers caller memory with the backend, and reserves its id;
+    /// on failure nothing is left registered or reserved.
+    ///
+    /// # Safety
+    /// As [`register_raw`](Self::register_raw) 1-3, for as long as the returned
+    /// registration lives.
+    unsafe fn register_caller(&self, ptr: *mut u8, len: usize, access: Access) -> Result<Prepared> {
         if ptr.is_null() {
             return Err(Error::InvalidArgument("null pointer to register".into()));
         }
+        if len == 0 {
+            return Err(Error::InvalidArgument(
+                "caller memory of zero bytes (nothing to register; Domain::register(0, ..) \
+                 makes an empty region)"
+                    .into(),
+            ));
+        }
         let access = access | Access::LOCAL_WRITE;
         self.inner.backend.admit(Source::Caller, access)?;
+        let (id, gen) = self.reserve()?;
+        let reg = self
+            .inner
+            .backend
+            .register(ptr, len, access)
+            .inspect_err(|_| self.unreserve(id, gen))?;
+        Ok(Prepared {
+            id,
+            gen,
+            reg,
+            access,
+        })
+    }
+
+    fn finish_caller(
+        &self,
+        p: Prepared,
+        ptr: *mut u8,
+        len: usize,
+        keep: Box<dyn std::any::Any + Send + Sync>,
+    ) -> Region {
         let mem = Memory::Caller {
             ptr,
             len,
             keep: Some(keep),
         };
-        let reg = self.inner.backend.register(ptr, len, access)?;
-        self.finish(mem, None, None, reg, len, access)
+        self.finish(p.id, p.gen, mem, None, None, p.reg, len, p.access)
     }
 
     /// Registers GPU memory exported by `nvlink-p2p` as a DMA-BUF (GPUDirect RDMA: the NIC
@@ -368,24 +435,41 @@ impl Domain {
         let memory = buf.memory().clone();
         let start = (buf.device_ptr() - memory.device_ptr()) as usize;
         let len = buf.len();
-        let reg = self.inner.backend.register_dmabuf(buf, access)?;
-        let device: Box<dyn crate::region::DeviceBacking> = Box::new(GpuMemory { memory, start });
         let mem = Memory::Placeholder(crate::region::anon_map(1)?);
-        self.finish(mem, None, Some(device), reg, len, access)
+        let (id, gen) = self.reserve()?;
+        let reg = self
+            .inner
+            .backend
+            .register_dmabuf(buf, access)
+            .inspect_err(|_| self.unreserve(id, gen))?;
+        let device: Box<dyn crate::region::DeviceBacking> = Box::new(GpuMemory { memory, start });
+        Ok(self.finish(id, gen, mem, None, Some(device), reg, len, access))
     }
 
+    /// An id and its generation for a new registration.
+    fn reserve(&self) -> Result<(u32, u32)> {
+        lock(&self.inner.registry)
+            .reserve()
+            .ok_or(Error::WouldBlock("registration table (2^32 regions)"))
+    }
+
+    /// Gives back an id whose registration failed (never published, so no peer knows it).
+    fn unreserve(&self, id: u32, gen: u32) {
+        drop(lock(&self.inner.registry).release(id, gen));
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn finish(
         &self,
+        id: u32,
+        gen: u32,
         mem: Memory,
         fd: Option<Arc<OwnedFd>>,
         device: Option<Box<dyn crate::region::DeviceBacking>>,
         reg: Registered,
         len: usize,
         access: Access,
-    ) -> Result<Region> {
-        let (id, gen) = lock(&self.inner.registry)
-            .reserve()
-            .ok_or(Error::WouldBlock("registration table (2^32 regions)"))?;
+    ) -> Region {
         let key = random_u64();
         let revoke: Arc<dyn Revoke> = self.inner.clone();
         let region = Region::from_parts(Parts {
@@ -414,7 +498,7 @@ impl Domain {
             },
         );
         self.inner.backend.published(&region);
-        Ok(region)
+        region
     }
 
     /// Target-side check of a peer's access to one of this domain's regions; the region

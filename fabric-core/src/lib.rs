@@ -103,7 +103,7 @@ pub mod sys;
 #[cfg(not(fabric_loom))]
 pub use domain::{Domain, MemorySupport};
 pub use error::{DecodeError, Error, Result};
-pub use memory::{AlignedBuf, Plain, RegisterMemory};
+pub use memory::{AlignedBuf, Plain, RegisterError, RegisterMemory};
 pub use region::{Access, Buf, LocalMut, LocalRef, Region};
 pub use transport::{
     AtomicOp, Capabilities, Completion, MemoryKinds, MessageOrdering, OpKind, PostError,

@@ -1,6 +1,7 @@
 //! Memory the caller owns and hands to a [`Domain`](crate::Domain) for registration
 //! without a copy: [`RegisterMemory`] (implemented for `Vec<T>`, `Box<[T]>` of [`Plain`]
-//! element types, `memmap2::MmapMut` and [`AlignedBuf`]).
+//! element types, `memmap2::MmapMut` and [`AlignedBuf`]); [`RegisterError`] hands the
+//! memory back when a registration is refused.
 #![allow(unsafe_code)]
 
 use std::alloc::Layout;
@@ -81,6 +82,85 @@ unsafe impl RegisterMemory for AlignedBuf {
     }
     fn byte_len(&self) -> usize {
         self.len
+    }
+}
+
+/// A refused registration of caller memory: why, and the memory itself, untouched (its
+/// contents are as the caller left them), so nothing the caller owned is lost.
+///
+/// `?` converts it into [`Error`] (dropping the memory) where the caller does not want it
+/// back.
+///
+/// ```no_run
+/// use fabric_core::{Access, Domain, Error, TransportKind, backend::Options};
+/// # fn main() -> fabric_core::Result<()> {
+/// let domain = Domain::open(TransportKind::Shm, &Options::default())?;
+/// let region = match domain.register_memory(vec![0u8; 4096], Access::REMOTE_WRITE) {
+///     Ok(r) => r,
+///     // shm cannot offer one-sided access to caller memory: keep the Vec, use it
+///     // two-sided instead.
+///     Err(e) if matches!(e.error(), Error::Unsupported { .. }) => {
+///         domain.register_memory(e.into_memory(), Access::empty())?
+///     }
+///     Err(e) => return Err(e.into()),
+/// };
+/// # let _ = region;
+/// # Ok(()) }
+/// ```
+pub struct RegisterError<M> {
+    error: Error,
+    memory: M,
+}
+
+impl<M> RegisterError<M> {
+    pub(crate) fn new(error: Error, memory: M) -> Self {
+        RegisterError { error, memory }
+    }
+
+    /// Why the registration was refused.
+    pub fn error(&self) -> &Error {
+        &self.error
+    }
+
+    /// The caller's memory, as it was handed in.
+    pub fn into_memory(self) -> M {
+        self.memory
+    }
+
+    /// The error and the memory.
+    pub fn into_parts(self) -> (Error, M) {
+        (self.error, self.memory)
+    }
+}
+
+impl<M> fmt::Debug for RegisterError<M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RegisterError")
+            .field("error", &self.error)
+            .field("memory", &std::any::type_name::<M>())
+            .finish()
+    }
+}
+
+impl<M> fmt::Display for RegisterError<M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "registration refused (memory handed back): {}",
+            self.error
+        )
+    }
+}
+
+impl<M> std::error::Error for RegisterError<M> {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.error)
+    }
+}
+
+impl<M> From<RegisterError<M>> for Error {
+    fn from(e: RegisterError<M>) -> Error {
+        e.error
     }
 }
 
