@@ -4,7 +4,7 @@
 //! The layering follows UCX (`ucp_context` → `ucp_mem_map` → `ucp_ep`) and libfabric
 //! (`fi_domain` → `fi_mr_reg` → endpoints): a domain holds what is per device (the verbs
 //! context and protection domain, the shm announcement fan-out), registrations live in its
-//! [`Registry`] (ids with generations, reused), and connections come from
+//! [`SharedRegistry`] (ids with generations, reused), and connections come from
 //! [`Domain::listen`] / [`Domain::connect`]. A region is usable on every connection of its
 //! domain; dropping it (once no operation holds a slice of it) deregisters it and revokes
 //! its key at every peer.
@@ -12,13 +12,13 @@
 
 use std::fmt;
 use std::os::fd::OwnedFd;
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::Arc;
 
 use crate::backend::{self, Connector, Listener, Options};
 use crate::error::{Error, Result};
 use crate::memory::{RegisterError, RegisterMemory};
 use crate::region::{random_u64, Access, Memory, Parts, Region, RegionInner, Revoke};
-use crate::registry::{Entry, Registry};
+use crate::registry::SharedRegistry;
 use crate::transport::{MemoryKinds, Status, TransportKind};
 
 /// GPU memory behind a region registered with [`Domain::register_dmabuf`]: host copies go
@@ -144,7 +144,7 @@ pub(crate) struct DomainInner {
     id: u64,
     kind: TransportKind,
     opts: Options,
-    registry: Mutex<Registry<Weak<RegionInner>>>,
+    registry: SharedRegistry<RegionInner>,
     backend: Box<dyn DomainBackend>,
 }
 
@@ -160,18 +160,9 @@ impl fmt::Debug for DomainInner {
 
 impl Revoke for DomainInner {
     fn revoke(&self, id: u32, gen: u32) {
-        let released = lock(&self.registry).release(id, gen);
-        // The entry's weak handle is dropped outside the lock (it cannot run a region's
-        // drop: the region is being dropped right now).
-        drop(released);
+        self.registry.release(id, gen);
         self.backend.revoked(id, gen);
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    // A panic while holding the registry lock leaves it consistent (every update is one
-    // statement), so a poisoned lock is taken over.
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// One device and backend: owns registrations, makes connections.
@@ -224,7 +215,7 @@ impl Domain {
                 id: backend::next_conn_id(),
                 kind,
                 opts: opts.clone(),
-                registry: Mutex::new(Registry::new()),
+                registry: SharedRegistry::new(),
                 backend,
             }),
         }
@@ -252,13 +243,13 @@ impl Domain {
 
     /// Registrations alive now.
     pub fn live_regions(&self) -> usize {
-        lock(&self.inner.registry).live()
+        self.inner.registry.live()
     }
 
     /// Slots of the registration table (the most registrations that were alive at once):
     /// it does not grow with the number registered over time.
     pub fn registry_capacity(&self) -> usize {
-        lock(&self.inner.registry).capacity()
+        self.inner.registry.capacity()
     }
 
     pub(crate) fn backend(&self) -> &dyn DomainBackend {
@@ -448,14 +439,15 @@ impl Domain {
 
     /// An id and its generation for a new registration.
     fn reserve(&self) -> Result<(u32, u32)> {
-        lock(&self.inner.registry)
+        self.inner
+            .registry
             .reserve()
             .ok_or(Error::WouldBlock("registration table (2^32 regions)"))
     }
 
     /// Gives back an id whose registration failed (never published, so no peer knows it).
     fn unreserve(&self, id: u32, gen: u32) {
-        drop(lock(&self.inner.registry).release(id, gen));
+        self.inner.registry.release(id, gen);
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -487,16 +479,9 @@ impl Domain {
             revoke: Some(revoke),
             device,
         });
-        lock(&self.inner.registry).publish(
-            id,
-            gen,
-            Entry {
-                key,
-                access,
-                len: len as u64,
-                value: Arc::downgrade(&region.inner),
-            },
-        );
+        self.inner
+            .registry
+            .publish(id, gen, key, access, len as u64, &region.inner);
         self.inner.backend.published(&region);
         region
     }
@@ -516,13 +501,9 @@ impl Domain {
         len: u64,
         need: Access,
     ) -> Result<Region, Status> {
-        let weak = lock(&self.inner.registry)
-            .check(id, gen, key, off, len, need)?
-            .value
-            .clone();
-        // Upgraded outside the lock: a region dropped meanwhile fails here.
-        weak.upgrade()
+        self.inner
+            .registry
+            .lookup(id, gen, key, off, len, need)
             .map(|inner| Region { inner })
-            .ok_or(Status::RemoteAccess)
     }
 }

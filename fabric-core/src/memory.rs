@@ -113,6 +113,7 @@ pub struct RegisterError<M> {
 }
 
 impl<M> RegisterError<M> {
+    #[cfg_attr(fabric_loom, allow(dead_code))]
     pub(crate) fn new(error: Error, memory: M) -> Self {
         RegisterError { error, memory }
     }

@@ -65,7 +65,8 @@ pub(crate) enum Memory {
     /// A mapping this crate made (shared so a backend registration can hold it too).
     Mapped(Arc<MmapRaw>),
     /// The caller's memory: `ptr`/`len` stay valid while `_keep` lives (see
-    /// [`RegisterMemory`]).
+    /// [`RegisterMemory`]). (Only `Domain` makes it: not in loom builds.)
+    #[cfg_attr(fabric_loom, allow(dead_code))]
     Caller {
         ptr: *mut u8,
         len: usize,

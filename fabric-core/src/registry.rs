@@ -4,8 +4,15 @@
 //! An id names a slot; each release bumps the slot's generation, so a key of a dropped
 //! region (same id, older generation) is refused even after the id is reused, and the
 //! table never holds more slots than the most regions that were alive at once.
+//!
+//! [`SharedRegistry`] is the table as a domain shares it between threads: registration,
+//! revocation (a region's drop) and the target-side lookup of a peer's key. Its lock comes
+//! from the `sync` shim, so `tests/loom_registry.rs` runs this very code under loom.
+
+use std::sync::{Arc, Weak};
 
 use crate::region::{check_range, Access};
+use crate::sync::{Mutex, MutexGuard};
 use crate::transport::Status;
 
 /// What a live registration promises a peer.
@@ -101,6 +108,11 @@ impl<T> Registry<T> {
         s.entry.take()
     }
 
+    /// Whether `(id, gen)` is reserved (published or not) and not released.
+    pub fn is_reserved(&self, id: u32, gen: u32) -> bool {
+        matches!(self.slots.get(id as usize), Some(s) if s.taken && s.gen == gen)
+    }
+
     /// The published entry behind `(id, gen)`.
     pub fn get(&self, id: u32, gen: u32) -> Option<&Entry<T>> {
         let s = self.slots.get(id as usize)?;
@@ -148,6 +160,116 @@ impl<T> Registry<T> {
             .iter()
             .enumerate()
             .filter_map(|(i, s)| s.entry.as_ref().map(|e| (i as u32, s.gen, e)))
+    }
+}
+
+/// A registration table shared by a domain's threads: the regions are held weakly (a
+/// region's last handle going away revokes it through [`release`](Self::release), called
+/// from the region's drop), and [`lookup`](Self::lookup) hands a peer's access a strong
+/// handle, so a region found live stays alive for the access.
+///
+/// What it guarantees (checked under loom by `tests/loom_registry.rs`): once a region's
+/// release has run, no lookup with its key succeeds, even after its id is reused; an id
+/// comes back only with a new generation; nothing is left in the table once every region is
+/// gone.
+#[derive(Debug)]
+pub struct SharedRegistry<T> {
+    table: Mutex<Registry<Weak<T>>>,
+}
+
+impl<T> Default for SharedRegistry<T> {
+    fn default() -> Self {
+        SharedRegistry {
+            table: Mutex::new(Registry::new()),
+        }
+    }
+}
+
+impl<T> SharedRegistry<T> {
+    /// An empty table.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Registry<Weak<T>>> {
+        // A panic while holding the lock leaves the table consistent (every update is one
+        // call on the table, which does not panic halfway), so a poisoned lock is taken over.
+        self.table.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// An id and its generation for a new registration; `None` when 2^32 are live.
+    pub fn reserve(&self) -> Option<(u32, u32)> {
+        self.lock().reserve()
+    }
+
+    /// Publishes `value` (weakly) behind a reserved `(id, gen)`; `false` when the pair is
+    /// not reserved or already published.
+    pub fn publish(
+        &self,
+        id: u32,
+        gen: u32,
+        key: u64,
+        access: Access,
+        len: u64,
+        value: &Arc<T>,
+    ) -> bool {
+        self.lock().publish(
+            id,
+            gen,
+            Entry {
+                key,
+                access,
+                len,
+                value: Arc::downgrade(value),
+            },
+        )
+    }
+
+    /// Releases `(id, gen)` (a region's drop, or a registration that failed before it was
+    /// published): lookups with it fail from now on and the id is free again with the next
+    /// generation. `false` when the pair was not reserved (double release, stale).
+    pub fn release(&self, id: u32, gen: u32) -> bool {
+        let mut table = self.lock();
+        let was = table.is_reserved(id, gen);
+        let entry = table.release(id, gen);
+        drop(table);
+        // The weak handle goes outside the lock.
+        drop(entry);
+        was
+    }
+
+    /// Target-side check of a peer's access ([`Registry::check`]) and a strong handle to
+    /// the region, upgraded outside the lock: a region whose last handle went away
+    /// meanwhile (its release is on its way) fails here.
+    ///
+    /// # Errors
+    /// [`Status::RemoteAccess`] for an unknown, stale or revoked key, missing access, a
+    /// range outside the region, or a region being dropped.
+    pub fn lookup(
+        &self,
+        id: u32,
+        gen: u32,
+        key: u64,
+        off: u64,
+        len: u64,
+        need: Access,
+    ) -> Result<Arc<T>, Status> {
+        let weak = self
+            .lock()
+            .check(id, gen, key, off, len, need)?
+            .value
+            .clone();
+        weak.upgrade().ok_or(Status::RemoteAccess)
+    }
+
+    /// Ids reserved and not released.
+    pub fn live(&self) -> usize {
+        self.lock().live()
+    }
+
+    /// Slots the table holds (the most ids that were live at once).
+    pub fn capacity(&self) -> usize {
+        self.lock().capacity()
     }
 }
 

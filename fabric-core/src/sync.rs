@@ -1,7 +1,7 @@
 //! The synchronisation primitives the lock-free code uses, switched by `cfg(fabric_loom)`.
 //!
 //! Normal builds use `std`; `RUSTFLAGS="--cfg fabric_loom"` swaps in loom's so the very same
-//! ring code runs under the loom model checker. [`DataCells`] lets loom see accesses to the
+//! ring code (and the registration table's lock) runs under the loom model checker. [`DataCells`] lets loom see accesses to the
 //! ring's payload bytes (which are plain memory, not atomics): in normal builds it is a
 //! zero-cost no-op.
 
@@ -10,6 +10,13 @@ pub(crate) use std::sync::atomic::{AtomicU64, Ordering};
 
 #[cfg(fabric_loom)]
 pub(crate) use loom::sync::atomic::{AtomicU64, Ordering};
+
+/// The lock of a domain's registration table ([`crate::registry::SharedRegistry`]).
+#[cfg(not(fabric_loom))]
+pub(crate) use std::sync::{Mutex, MutexGuard};
+
+#[cfg(fabric_loom)]
+pub(crate) use loom::sync::{Mutex, MutexGuard};
 
 /// Access tracking for payload granules (one per 64-byte line of ring data).
 #[cfg(not(fabric_loom))]
