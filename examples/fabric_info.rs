@@ -102,12 +102,23 @@ fn nics() -> Vec<topology::NicInfo> {
             n.memory
         );
         for p in &n.ports {
+            let speed = match (p.lanes, p.gbps_per_lane, p.gbps()) {
+                (Some(l), Some(g), Some(t)) => format!(
+                    "{t} Gb/s ({l} lane{} x {g} Gb/s {})",
+                    if l == 1 { "" } else { "s" },
+                    p.speed.as_deref().unwrap_or("")
+                ),
+                _ => format!(
+                    "unknown (kernel: {})",
+                    p.rate.as_deref().unwrap_or("no rate")
+                ),
+            };
             println!(
-                "    port {}: {}, {}, rate {}, {} GIDs{}",
+                "    port {}: {}, {}, {speed} [{:?}], {} GIDs{}",
                 p.port,
                 if p.active { "active" } else { "down" },
                 p.link_layer,
-                p.rate.as_deref().unwrap_or("unknown"),
+                p.source,
                 p.gids.len(),
                 p.gids
                     .first()

@@ -9,6 +9,7 @@
 use std::time::{Duration, Instant};
 
 use fabric_core::backend::{Connector, Listener, Options};
+use fabric_core::topology;
 use fabric_core::{
     Access, AlignedBuf, AtomicOp, Completion, Domain, Error, OpKind, Region, Status, Transport,
     TransportKind,
@@ -681,4 +682,78 @@ fn verbs_device_selection() {
         .register_memory(vec![0u8; 4096], Access::REMOTE_WRITE)
         .unwrap();
     assert!(r.remote_key().is_some());
+}
+
+/// Port speed and width decoded from the verbs port attributes agree with the kernel's
+/// `rate` string, and the sysfs-only description (for devices that cannot be opened) agrees
+/// with the verbs one on every port.
+#[test]
+fn verbs_port_speed_and_width_agree_with_the_kernel() {
+    let nics = match fabric_core::topology::nics() {
+        Ok(n) => n,
+        Err(e) => {
+            skip("rdma", format_args!("no RDMA device (libibverbs: {e})"));
+            return;
+        }
+    };
+    let opened: Vec<_> = nics
+        .iter()
+        .filter(|n| {
+            n.ports
+                .iter()
+                .any(|p| p.source == topology::PortSource::Verbs)
+        })
+        .collect();
+    if opened.is_empty() {
+        skip(
+            "rdma",
+            format_args!("no RDMA device that opens ({} listed)", nics.len()),
+        );
+        return;
+    }
+    for n in opened {
+        let sysfs = topology::ports_from_sysfs(
+            &std::path::Path::new("/sys/class/infiniband").join(&n.name),
+        );
+        assert_eq!(sysfs.len(), n.ports.len(), "{}: ports", n.name);
+        for (v, s) in n.ports.iter().zip(&sysfs) {
+            let what = format!("{} port {}", n.name, v.port);
+            println!(
+                "{what}: {:?} lanes x {:?} Gb/s ({:?}); kernel says {:?}",
+                v.lanes, v.gbps_per_lane, v.speed, v.rate
+            );
+            if v.active {
+                assert!(v.gbps().is_some(), "{what}: an active port with no speed");
+            }
+            let rate = v.rate.as_deref().expect("the kernel states a rate");
+            let (lanes, per_lane, name) = topology::parse_rate(rate).expect("a parsable rate");
+            assert_eq!(v.lanes, Some(lanes), "{what}: lanes vs {rate:?}");
+            assert_eq!(v.gbps_per_lane, Some(per_lane), "{what}: speed vs {rate:?}");
+            assert_eq!(
+                v.speed.as_deref(),
+                Some(name.as_str()),
+                "{what}: name vs {rate:?}"
+            );
+            assert_eq!(
+                (
+                    s.port,
+                    s.active,
+                    &s.link_layer,
+                    s.lanes,
+                    s.gbps_per_lane,
+                    &s.speed
+                ),
+                (
+                    v.port,
+                    v.active,
+                    &v.link_layer,
+                    v.lanes,
+                    v.gbps_per_lane,
+                    &v.speed
+                ),
+                "{what}: sysfs vs verbs"
+            );
+            assert_eq!(s.gids, v.gids, "{what}: GIDs, sysfs vs verbs");
+        }
+    }
 }

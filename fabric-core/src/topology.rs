@@ -1,16 +1,28 @@
 //! What a library chooses a device by: the RDMA devices with their PCI path, NUMA node,
-//! ports (state, link layer, rate, GIDs) and the memory kinds they can register, and for
+//! ports (state, link layer, speed and width, GIDs) and the memory kinds they can register, and for
 //! a GPU the nearest NIC by PCI topology (like NCCL's `getProperties` and
 //! `nvidia-smi topo -m`). Device facts come from libibverbs (loaded at run time) and
-//! sysfs; a missing library is a typed error.
+//! sysfs (alone, for a device that cannot be opened); a missing library is a typed error.
 
 use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 use crate::transport::{MemoryKinds, TransportKind};
 
+/// Where a port's facts came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PortSource {
+    /// `ibv_query_port` on the opened device (speed and width decoded from its
+    /// `active_speed` / `active_width` codes).
+    Verbs,
+    /// sysfs (`/sys/class/infiniband/DEV/ports/N/`): the device could not be opened (no
+    /// permission on its `uverbs` node, a provider missing); speed and width are parsed
+    /// from the kernel's `rate` string.
+    Sysfs,
+}
+
 /// One port of an RDMA device.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct NicPort {
     /// Port number (1-based).
     pub port: u8,
@@ -18,15 +30,112 @@ pub struct NicPort {
     pub active: bool,
     /// `InfiniBand`, `Ethernet` (RoCE) or `Unspecified`.
     pub link_layer: String,
+    /// Lanes in use (1, 2, 4, 8, 12), if known.
+    pub lanes: Option<u8>,
+    /// Data rate of one lane in Gb/s (2.5 SDR ... 100 NDR), if known.
+    pub gbps_per_lane: Option<f64>,
+    /// The speed's name (`EDR`), if known.
+    pub speed: Option<String>,
     /// Speed and width as the kernel reports them (sysfs `rate`, e.g.
     /// `100 Gb/sec (4X EDR)`), if known.
     pub rate: Option<String>,
     /// Non-zero GIDs: `(index, gid, type)`.
     pub gids: Vec<(u32, String, Option<String>)>,
+    /// Where these facts came from.
+    pub source: PortSource,
+}
+
+impl NicPort {
+    /// Data rate of the port in Gb/s (lanes × per-lane rate), if both are known.
+    pub fn gbps(&self) -> Option<f64> {
+        Some(f64::from(self.lanes?) * self.gbps_per_lane?)
+    }
+}
+
+/// A kernel `rate` string (`100 Gb/sec (4X EDR)`, `2.5 Gb/sec (1X SDR)`) as
+/// `(lanes, Gb/s per lane, speed name)`; `None` for anything else.
+pub fn parse_rate(rate: &str) -> Option<(u8, f64, String)> {
+    let (total, rest) = rate.trim().split_once(" Gb/sec")?;
+    let total: f64 = total.trim().parse().ok()?;
+    let inner = rest.trim().strip_prefix('(')?.strip_suffix(')')?;
+    let (width, speed) = inner.split_once(' ')?;
+    let lanes: u8 = width.strip_suffix('X')?.parse().ok()?;
+    if lanes == 0 || !total.is_finite() || total <= 0.0 || speed.is_empty() {
+        return None;
+    }
+    Some((lanes, total / f64::from(lanes), speed.trim().to_string()))
+}
+
+/// The ports of the device whose sysfs directory is `dev` (`/sys/class/infiniband/DEV`),
+/// read from sysfs alone: for a device that cannot be opened.
+pub fn ports_from_sysfs(dev: &Path) -> Vec<NicPort> {
+    let mut numbers: Vec<u8> = std::fs::read_dir(dev.join("ports"))
+        .map(|d| {
+            d.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    numbers.sort_unstable();
+    numbers
+        .into_iter()
+        .map(|port| {
+            let dir = dev.join(format!("ports/{port}"));
+            // `4: ACTIVE`
+            let active = read_trim(dir.join("state"))
+                .and_then(|s| s.split(':').next()?.trim().parse::<u32>().ok())
+                == Some(4);
+            let link_layer = match read_trim(dir.join("link_layer")).as_deref() {
+                Some("InfiniBand") => "InfiniBand",
+                Some("Ethernet") => "Ethernet",
+                _ => "Unspecified",
+            }
+            .to_string();
+            let rate = read_trim(dir.join("rate"));
+            let parsed = rate.as_deref().and_then(parse_rate);
+            let mut gids: Vec<(u32, String, Option<String>)> = std::fs::read_dir(dir.join("gids"))
+                .map(|d| {
+                    d.filter_map(|e| {
+                        let index: u32 = e.ok()?.file_name().to_str()?.parse().ok()?;
+                        let gid: std::net::Ipv6Addr =
+                            read_trim(dir.join(format!("gids/{index}")))?.parse().ok()?;
+                        if gid.is_unspecified() {
+                            return None;
+                        }
+                        let kind = read_trim(dir.join(format!("gid_attrs/types/{index}")))
+                            .map(|t| gid_type_name(&t, &link_layer));
+                        Some((index, gid.to_string(), kind))
+                    })
+                    .collect()
+                })
+                .unwrap_or_default();
+            gids.sort();
+            NicPort {
+                port,
+                active,
+                link_layer,
+                lanes: parsed.as_ref().map(|p| p.0),
+                gbps_per_lane: parsed.as_ref().map(|p| p.1),
+                speed: parsed.map(|p| p.2),
+                rate,
+                gids,
+                source: PortSource::Sysfs,
+            }
+        })
+        .collect()
+}
+
+/// sysfs GID type names as the verbs path names them (`ibverbs_safe::GidType`'s).
+fn gid_type_name(sysfs: &str, link_layer: &str) -> String {
+    match sysfs {
+        "RoCE v2" => "RoceV2".into(),
+        "IB/RoCE v1" if link_layer == "Ethernet" => "RoceV1".into(),
+        "IB/RoCE v1" => "Ib".into(),
+        other => other.into(),
+    }
 }
 
 /// One RDMA device.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct NicInfo {
     /// Device name (`mlx5_0`, `rxe0`).
     pub name: String,
@@ -78,10 +187,17 @@ pub fn nics() -> Result<Vec<NicInfo>> {
             .and_then(|s| s.parse().ok())
             .filter(|&n: &i32| n >= 0);
         let mut ports = Vec::new();
-        if let Ok(ctx) = ibverbs_safe::open(Some(&d.name)) {
+        let opened = ibverbs_safe::open(Some(&d.name));
+        if let Ok(ctx) = &opened {
             let count = ctx.query_device().map(|a| a.phys_port_cnt).unwrap_or(0);
             for port in 1..=count {
                 let Ok(p) = ctx.query_port(port) else {
+                    // This port from sysfs, if it says.
+                    ports.extend(
+                        ports_from_sysfs(&sys)
+                            .into_iter()
+                            .filter(|s| s.port == port),
+                    );
                     continue;
                 };
                 let gids = ctx
@@ -101,11 +217,18 @@ pub fn nics() -> Result<Vec<NicInfo>> {
                     port,
                     active: p.is_active(),
                     link_layer: format!("{:?}", p.link_layer),
+                    lanes: p.lanes(),
+                    gbps_per_lane: p.gbps_per_lane(),
+                    speed: p.active_speed.name().map(String::from),
                     rate: read_trim(sys.join(format!("ports/{port}/rate"))),
                     gids,
+                    source: PortSource::Verbs,
                 });
             }
+        } else {
+            ports = ports_from_sysfs(&sys);
         }
+        drop(opened);
         let memory = if pci_path.is_some() {
             MemoryKinds::HOST | MemoryKinds::CUDA_DEVICE
         } else {
@@ -167,11 +290,113 @@ mod tests {
                 port: 1,
                 active,
                 link_layer: "Ethernet".into(),
+                lanes: None,
+                gbps_per_lane: None,
+                speed: None,
                 rate: None,
                 gids: Vec::new(),
+                source: PortSource::Verbs,
             }],
             memory: MemoryKinds::HOST,
         }
+    }
+
+    #[test]
+    fn kernel_rate_strings_parse_to_lanes_and_per_lane_speed() {
+        assert_eq!(
+            parse_rate("100 Gb/sec (4X EDR)"),
+            Some((4, 25.0, "EDR".into()))
+        );
+        assert_eq!(
+            parse_rate("2.5 Gb/sec (1X SDR)\n"),
+            Some((1, 2.5, "SDR".into()))
+        );
+        assert_eq!(
+            parse_rate("56 Gb/sec (4X FDR)"),
+            Some((4, 14.0, "FDR".into()))
+        );
+        assert_eq!(
+            parse_rate("400 Gb/sec (4X NDR)"),
+            Some((4, 100.0, "NDR".into()))
+        );
+        for bad in [
+            "",
+            "fast",
+            "100 Gb/sec",
+            "100 Gb/sec (0X EDR)",
+            "x Gb/sec (4X EDR)",
+            "100 Gb/sec (4 EDR)",
+        ] {
+            assert_eq!(parse_rate(bad), None, "{bad:?}");
+        }
+    }
+
+    /// A device that cannot be opened is described from sysfs: ports in order, state,
+    /// link layer, speed and width from `rate`, non-zero GIDs with their types.
+    #[test]
+    fn ports_come_from_sysfs_when_the_device_cannot_be_opened() {
+        let dev = std::env::temp_dir().join(format!("fabric-topology-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dev);
+        let put = |rel: &str, text: &str| {
+            let p = dev.join(rel);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, text).unwrap();
+        };
+        put("ports/2/state", "1: DOWN\n");
+        put("ports/2/link_layer", "InfiniBand\n");
+        put("ports/1/state", "4: ACTIVE\n");
+        put("ports/1/link_layer", "Ethernet\n");
+        put("ports/1/rate", "100 Gb/sec (4X EDR)\n");
+        put(
+            "ports/1/gids/0",
+            "fe80:0000:0000:0000:5054:00ff:fe12:3456\n",
+        );
+        put("ports/1/gid_attrs/types/0", "IB/RoCE v1\n");
+        put(
+            "ports/1/gids/1",
+            "0000:0000:0000:0000:0000:ffff:0a4d:0001\n",
+        );
+        put("ports/1/gid_attrs/types/1", "RoCE v2\n");
+        put(
+            "ports/1/gids/2",
+            "0000:0000:0000:0000:0000:0000:0000:0000\n",
+        );
+        let ports = ports_from_sysfs(&dev);
+        let _ = std::fs::remove_dir_all(&dev);
+        assert_eq!(ports.len(), 2);
+        let p = &ports[0];
+        assert_eq!(
+            (p.port, p.active, p.link_layer.as_str()),
+            (1, true, "Ethernet")
+        );
+        assert_eq!(
+            (p.lanes, p.gbps_per_lane, p.speed.as_deref()),
+            (Some(4), Some(25.0), Some("EDR"))
+        );
+        assert_eq!(p.gbps(), Some(100.0));
+        assert_eq!(p.source, PortSource::Sysfs);
+        assert_eq!(
+            p.gids,
+            vec![
+                (
+                    0,
+                    "fe80::5054:ff:fe12:3456".to_string(),
+                    Some("RoceV1".to_string())
+                ),
+                (
+                    1,
+                    "::ffff:10.77.0.1".to_string(),
+                    Some("RoceV2".to_string())
+                ),
+            ]
+        );
+        let q = &ports[1];
+        assert_eq!(
+            (q.port, q.active, q.link_layer.as_str()),
+            (2, false, "InfiniBand")
+        );
+        assert_eq!((q.lanes, q.gbps(), q.rate.as_deref()), (None, None, None));
+        assert!(ports_from_sysfs(Path::new("/nonexistent/fabric")).is_empty());
     }
 
     #[test]

@@ -364,7 +364,7 @@ pub use loader::library_available;
 pub use mr::deregistrations;
 pub use mr::{AccessMode, Local, MemoryRegion, MrSlice, Remote, RemoteAccess, RemoteMemory};
 pub use pd::ProtectionDomain;
-pub use port::{LinkLayer, Mtu, PortAttr, PortState};
+pub use port::{LinkLayer, LinkSpeed, LinkWidth, Mtu, PortAttr, PortState};
 pub use qp::{
     Connected, Endpoint, EndpointDecodeError, PostError, PreparedQp, QpBuilder, QpState, QueuePair,
     Rc, Scope, SendBatch, SendRequest, Transport, Uc, Ud, UdDest, MAX_BATCH,
