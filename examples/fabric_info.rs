@@ -1,10 +1,10 @@
 //! What this machine offers, in one view (like `ibv_devinfo`, `fi_info`, `ucx_info` and
 //! `nvidia-smi topo -m` together): RDMA devices, ports, GIDs and link state; what a library
-//! chooses a NIC by (fabric-core's `topology`: PCI path, NUMA node, rate, memory kinds,
-//! the nearest NIC per GPU) and how to pick one (`Options::verbs_device` / `verbs_port` /
-//! `verbs_gid_index`); which transports are usable and what memory each domain registers;
-//! GPUs and their peer matrix. Every absent piece is reported with its typed error's
-//! message; nothing here panics.
+//! chooses a NIC by (fabric-core's `topology`: PCI path, NUMA node, speed and width, memory
+//! kinds with the GPU-memory probe, the nearest NIC per GPU) and how to pick one
+//! (`Options::verbs_device` / `verbs_port` / `verbs_gid_index`); which transports are
+//! usable and what memory each domain registers; GPUs and their peer matrix. Every absent
+//! piece is reported with its typed error's message; nothing here panics.
 //!
 //! ```text
 //! cargo run --example fabric_info
@@ -101,6 +101,19 @@ fn nics() -> Vec<topology::NicInfo> {
                 .unwrap_or_else(|| "unknown".into()),
             n.memory
         );
+        println!("    GPU memory (DMA-BUF): {}", n.gpu_memory.reason());
+        for (what, c) in [
+            ("libibverbs", &n.gpu_memory.library),
+            ("device", &n.gpu_memory.device),
+            ("GPU", &n.gpu_memory.gpu),
+        ] {
+            let verdict = match c {
+                topology::Check::Yes(_) => "yes",
+                topology::Check::No(_) => "no",
+                topology::Check::Unknown(_) => "unknown",
+            };
+            println!("      {what:<10} {verdict}: {}", c.reason());
+        }
         for p in &n.ports {
             let speed = match (p.lanes, p.gbps_per_lane, p.gbps()) {
                 (Some(l), Some(g), Some(t)) => format!(

@@ -757,3 +757,133 @@ fn verbs_port_speed_and_width_agree_with_the_kernel() {
         }
     }
 }
+
+/// Set in the child of `verbs_gpu_memory_probe_and_registration_agree` that runs over
+/// nvlink-p2p's host stand-in CUDA driver.
+const DMABUF_CHILD: &str = "FABRIC_DOMAIN_DMABUF_CHILD";
+
+/// The GPU-memory probe decides, for the device, whether its provider and kernel driver
+/// implement DMA-BUF registration; on a software device (Soft-RoCE) it says no, with the
+/// reason, and the NIC does not list GPU memory. Registration then agrees: with a "GPU"
+/// present (nvlink-p2p's host stand-in driver, whose DMA-BUF is a memfd, since no GPU is
+/// here), `register_dmabuf` is the typed `Unsupported` exactly where the probe said no.
+#[test]
+fn verbs_gpu_memory_probe_and_registration_agree() {
+    let child = std::env::var(DMABUF_CHILD).is_ok();
+    let nics = match topology::nics() {
+        Ok(n) => n,
+        Err(e) => {
+            skip("rdma", format_args!("no RDMA device (libibverbs: {e})"));
+            return;
+        }
+    };
+    let Some(nic) = nics.iter().find(|n| {
+        n.is_active()
+            && n.ports
+                .iter()
+                .any(|p| p.source == topology::PortSource::Verbs)
+    }) else {
+        assert!(!child, "the child sees no device its parent saw");
+        skip(
+            "rdma",
+            format_args!(
+                "no RDMA device that opens with an active port ({} listed)",
+                nics.len()
+            ),
+        );
+        return;
+    };
+    let probe = &nic.gpu_memory;
+    println!("{}: GPU memory: {} ({probe:?})", nic.name, probe.reason());
+    assert!(
+        probe.library.holds(),
+        "rdma-core 34+ is installed: {probe:?}"
+    );
+    assert!(
+        !matches!(probe.device, topology::Check::Unknown(_)),
+        "the device check decides: {probe:?}"
+    );
+    assert_eq!(
+        nic.memory.contains(fabric_core::MemoryKinds::CUDA_DEVICE),
+        probe.expected(),
+        "memory kinds follow the probe"
+    );
+    if nic.pci_path.is_none() {
+        // A software device (Soft-RoCE): its provider has no DMA-BUF registration.
+        assert!(
+            matches!(&probe.device, topology::Check::No(r) if r.contains("EOPNOTSUPP")),
+            "{probe:?}"
+        );
+        assert!(
+            !probe.expected() && probe.reason().starts_with("no: device"),
+            "{}",
+            probe.reason()
+        );
+    }
+    if child {
+        // A stand-in "GPU" is present: the GPU check holds, the device check decides.
+        let cuda = nvlink_p2p::Cuda::init().expect("the stand-in driver");
+        assert!(probe.gpu.holds(), "{probe:?}");
+        let buf = std::sync::Arc::new(cuda.device(0).unwrap().alloc(1 << 16).unwrap());
+        let dmabuf = nvlink_p2p::DmaBuf::export(&buf, 0, 1 << 16).expect("stand-in export");
+        let opts = Options {
+            verbs_device: Some(nic.name.clone()),
+            ..Options::default()
+        };
+        let d = Domain::open(TransportKind::Verbs, &opts).unwrap();
+        match d.register_dmabuf(dmabuf, Access::REMOTE_WRITE) {
+            Err(e @ Error::Unsupported { .. }) => {
+                println!("register_dmabuf: {e}");
+                assert!(!probe.device.holds(), "the probe said yes: {probe:?}");
+            }
+            // A device with the verb refuses the stand-in's memfd as not a DMA-BUF.
+            Err(e) => assert!(probe.device.holds(), "the probe said no, yet: {e}"),
+            Ok(r) => panic!("a memfd registered as a DMA-BUF: {r:?}"),
+        }
+        return;
+    }
+    // Without a GPU here the GPU check does not hold, so GPU memory is not expected.
+    if nvlink_p2p::Cuda::init().is_err() {
+        assert!(!probe.gpu.holds() && !probe.expected(), "{probe:?}");
+    }
+    let Some(dir) = stand_in_dir() else {
+        skip(
+            "cc",
+            format_args!("cannot build the stand-in CUDA driver (no `cc`)"),
+        );
+        return;
+    };
+    let status = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "verbs_gpu_memory_probe_and_registration_agree",
+            "--exact",
+            "--nocapture",
+        ])
+        .env(DMABUF_CHILD, "1")
+        .env("LD_LIBRARY_PATH", &dir)
+        // The stand-in reports DMA-BUF support and exports (code 0: success).
+        .env("FAKE_CUDA_DMABUF", "0")
+        .env_remove("NVLINK_P2P_REQUIRE_GPU")
+        .stdin(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(status.success(), "the stand-in run failed: {status}");
+}
+
+/// nvlink-p2p's host stand-in CUDA driver, built into a fresh directory (for
+/// `LD_LIBRARY_PATH`); `None` without a C compiler.
+fn stand_in_dir() -> Option<std::path::PathBuf> {
+    let dir = std::env::temp_dir().join(format!("fabric-domain-standin-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).ok()?;
+    let c = dir.join("stub.c");
+    std::fs::write(&c, include_str!("../nvlink-p2p/tests/fake_host_driver.c")).ok()?;
+    let ok = std::process::Command::new("cc")
+        .args(["-shared", "-fPIC", "-O1", "-o"])
+        .arg(dir.join("libcuda.so"))
+        .arg(&c)
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    ok.then_some(dir)
+}

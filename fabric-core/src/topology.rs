@@ -145,11 +145,187 @@ pub struct NicInfo {
     pub numa_node: Option<i32>,
     /// Its ports.
     pub ports: Vec<NicPort>,
-    /// Memory kinds it can register: host memory always; GPU memory
-    /// ([`Domain::register_dmabuf`](crate::Domain::register_dmabuf)) is attempted on PCI
-    /// devices and refused with a typed error where the provider cannot; a software device
-    /// never can.
+    /// Memory kinds it can register: host memory always; GPU memory when every check of
+    /// [`gpu_memory`](Self::gpu_memory) holds.
     pub memory: MemoryKinds,
+    /// Whether GPU memory (DMA-BUF, [`Domain::register_dmabuf`](crate::Domain::register_dmabuf))
+    /// can be registered here, check by check, with how each was decided.
+    pub gpu_memory: GpuMemoryProbe,
+}
+
+/// The outcome of one check, with how it was decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Check {
+    /// It holds.
+    Yes(String),
+    /// It does not.
+    No(String),
+    /// It could not be decided.
+    Unknown(String),
+}
+
+impl Check {
+    /// Whether it holds.
+    pub fn holds(&self) -> bool {
+        matches!(self, Check::Yes(_))
+    }
+
+    /// How it was decided.
+    pub fn reason(&self) -> &str {
+        match self {
+            Check::Yes(r) | Check::No(r) | Check::Unknown(r) => r,
+        }
+    }
+}
+
+/// Whether a NIC can register GPU memory (GPUDirect RDMA over DMA-BUF), as three checks that
+/// need no GPU memory and register nothing:
+///
+/// 1. `library`: libibverbs exports `ibv_reg_dmabuf_mr` (rdma-core 34 or newer);
+/// 2. `device`: the device's provider and kernel driver implement DMA-BUF registration.
+///    Asked by calling `ibv_reg_dmabuf_mr` on a one-page memfd, which is not a DMA-BUF: a
+///    provider without the verb (Soft-RoCE's, whose library does not even import
+///    `ibv_cmd_reg_dmabuf_mr`) or a kernel driver without it answers `EOPNOTSUPP` before
+///    looking at the fd; one that has it passes the fd to the kernel, which refuses it
+///    as not a DMA-BUF (`EINVAL`/`EBADF`), so nothing is registered either way;
+/// 3. `gpu`: a CUDA GPU is present whose driver can export DMA-BUFs
+///    (`CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`; needs the `cuda-ipc` feature).
+///
+/// This is a well-founded expectation, not a promise: registration is the final word
+/// ([`Domain::register_dmabuf`](crate::Domain::register_dmabuf) can still be refused, e.g.
+/// by the IOMMU or a GPU on another PCI root, and says so with a typed error).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuMemoryProbe {
+    /// libibverbs exports `ibv_reg_dmabuf_mr`.
+    pub library: Check,
+    /// The provider and kernel driver implement it.
+    pub device: Check,
+    /// A GPU that exports DMA-BUFs is present.
+    pub gpu: Check,
+}
+
+impl GpuMemoryProbe {
+    /// Whether every check holds (then registration is expected to work).
+    pub fn expected(&self) -> bool {
+        self.library.holds() && self.device.holds() && self.gpu.holds()
+    }
+
+    /// Why not (the first check that does not hold), or that all hold.
+    pub fn reason(&self) -> String {
+        for (what, c) in [
+            ("libibverbs", &self.library),
+            ("device", &self.device),
+            ("GPU", &self.gpu),
+        ] {
+            match c {
+                Check::No(r) => return format!("no: {what}: {r}"),
+                Check::Unknown(r) => return format!("unknown: {what}: {r}"),
+                Check::Yes(_) => {}
+            }
+        }
+        "expected: libibverbs, provider, kernel driver and GPU support it (registration is \
+         the final word)"
+            .into()
+    }
+}
+
+/// Check 2 (and 1) of [`GpuMemoryProbe`] on an opened device.
+fn probe_dmabuf(ctx: &ibverbs_safe::Context) -> (Check, Check) {
+    let unknown = |why: String| (Check::Unknown(why.clone()), Check::Unknown(why));
+    let pd = match ctx.alloc_pd() {
+        Ok(pd) => pd,
+        Err(e) => return unknown(format!("no protection domain to probe with: {e}")),
+    };
+    let fd = match crate::sys::memfd("fabric-dmabuf-probe", 4096) {
+        Ok(fd) => fd,
+        Err(e) => return unknown(format!("no memfd to probe with: {e}")),
+    };
+    let has_verb = || Check::Yes("libibverbs exports ibv_reg_dmabuf_mr".into());
+    use std::os::fd::AsFd;
+    match pd.try_register_dmabuf(
+        fd.as_fd(),
+        0,
+        4096,
+        0,
+        ibverbs_safe::RemoteAccess::empty(),
+        (),
+    ) {
+        // Not expected for a memfd; the device registered it, so it has the verb.
+        Ok(_) => (
+            has_verb(),
+            Check::Yes("ibv_reg_dmabuf_mr accepted a probe".into()),
+        ),
+        Err((ibverbs_safe::Error::Unsupported { .. }, _)) => (
+            Check::No("libibverbs has no ibv_reg_dmabuf_mr (needs rdma-core 34 or newer)".into()),
+            Check::Unknown("not asked: the library lacks the verb".into()),
+        ),
+        Err((e @ ibverbs_safe::Error::RegDmabufMr { .. }, _)) if e.is_unsupported() => (
+            has_verb(),
+            Check::No(format!(
+                "the provider or kernel driver has no DMA-BUF registration (ibv_reg_dmabuf_mr \
+                 answered {}; Soft-RoCE never has it)",
+                errno_name(&e)
+            )),
+        ),
+        Err((e @ ibverbs_safe::Error::RegDmabufMr { .. }, _)) => (
+            has_verb(),
+            Check::Yes(format!(
+                "the kernel driver took the verb and refused the probe's non-DMA-BUF fd ({})",
+                errno_name(&e)
+            )),
+        ),
+        Err((e, _)) => (has_verb(), Check::Unknown(format!("probe failed: {e}"))),
+    }
+}
+
+fn errno_name(e: &ibverbs_safe::Error) -> String {
+    let code = match e {
+        ibverbs_safe::Error::RegDmabufMr { source, .. } => source.raw_os_error(),
+        _ => None,
+    };
+    match code {
+        Some(libc::EOPNOTSUPP) => "EOPNOTSUPP".into(),
+        Some(libc::EPROTONOSUPPORT) => "EPROTONOSUPPORT".into(),
+        Some(libc::ENOSYS) => "ENOSYS".into(),
+        Some(libc::EINVAL) => "EINVAL".into(),
+        Some(libc::EBADF) => "EBADF".into(),
+        Some(n) => format!("errno {n}"),
+        None => e.to_string(),
+    }
+}
+
+/// Check 3 of [`GpuMemoryProbe`]: a GPU whose driver exports DMA-BUFs.
+#[cfg(feature = "cuda-ipc")]
+pub fn probe_gpu() -> Check {
+    use nvlink_p2p::cudarc::driver::sys::CUdevice_attribute;
+    let cuda = match nvlink_p2p::Cuda::init() {
+        Ok(c) => c,
+        Err(e) => return Check::No(format!("no CUDA GPU ({e})")),
+    };
+    let count = cuda.device_count();
+    if count == 0 {
+        return Check::No("the CUDA driver lists no GPU".into());
+    }
+    let mut why = Vec::new();
+    for i in 0..count {
+        match cuda
+            .device(i)
+            .and_then(|d| d.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED))
+        {
+            Ok(v) if v != 0 => {
+                return Check::Yes(format!("GPU {i} reports DMA-BUF export support"));
+            }
+            Ok(_) => why.push(format!("GPU {i} reports no DMA-BUF export support")),
+            Err(e) => why.push(format!("GPU {i}: {e}")),
+        }
+    }
+    Check::No(why.join("; "))
+}
+
+/// Check 3 of [`GpuMemoryProbe`] without the `cuda-ipc` feature: unknown.
+#[cfg(not(feature = "cuda-ipc"))]
+pub fn probe_gpu() -> Check {
+    Check::Unknown("built without the cuda-ipc feature (no CUDA support)".into())
 }
 
 impl NicInfo {
@@ -175,6 +351,11 @@ pub fn nics() -> Result<Vec<NicInfo>> {
         reason: e.to_string(),
     })?;
     let mut out = Vec::new();
+    let gpu = if devs.is_empty() {
+        Check::Unknown("not asked (no RDMA device)".into())
+    } else {
+        probe_gpu()
+    };
     for d in devs {
         let sys = Path::new("/sys/class/infiniband").join(&d.name);
         let pci_path = std::fs::canonicalize(sys.join("device")).ok().filter(|p| {
@@ -228,8 +409,20 @@ pub fn nics() -> Result<Vec<NicInfo>> {
         } else {
             ports = ports_from_sysfs(&sys);
         }
+        let (library, device) = match &opened {
+            Ok(ctx) => probe_dmabuf(ctx),
+            Err(e) => {
+                let why = format!("the device could not be opened: {e}");
+                (Check::Unknown(why.clone()), Check::Unknown(why))
+            }
+        };
         drop(opened);
-        let memory = if pci_path.is_some() {
+        let gpu_memory = GpuMemoryProbe {
+            library,
+            device,
+            gpu: gpu.clone(),
+        };
+        let memory = if gpu_memory.expected() {
             MemoryKinds::HOST | MemoryKinds::CUDA_DEVICE
         } else {
             MemoryKinds::HOST
@@ -240,6 +433,7 @@ pub fn nics() -> Result<Vec<NicInfo>> {
             numa_node,
             ports,
             memory,
+            gpu_memory,
         });
     }
     Ok(out)
@@ -298,7 +492,37 @@ mod tests {
                 source: PortSource::Verbs,
             }],
             memory: MemoryKinds::HOST,
+            gpu_memory: GpuMemoryProbe {
+                library: Check::Unknown(String::new()),
+                device: Check::Unknown(String::new()),
+                gpu: Check::Unknown(String::new()),
+            },
         }
+    }
+
+    #[test]
+    fn gpu_memory_is_expected_only_when_every_check_holds_and_says_which_fails() {
+        let yes = || Check::Yes("y".into());
+        let all = GpuMemoryProbe {
+            library: yes(),
+            device: yes(),
+            gpu: yes(),
+        };
+        assert!(all.expected());
+        assert!(all.reason().contains("final word"), "{}", all.reason());
+        let no_dev = GpuMemoryProbe {
+            device: Check::No("EOPNOTSUPP".into()),
+            gpu: Check::Unknown("no cuda".into()),
+            ..all.clone()
+        };
+        assert!(!no_dev.expected());
+        assert_eq!(no_dev.reason(), "no: device: EOPNOTSUPP");
+        let no_gpu = GpuMemoryProbe {
+            gpu: Check::Unknown("no cuda".into()),
+            ..all
+        };
+        assert!(!no_gpu.expected());
+        assert_eq!(no_gpu.reason(), "unknown: GPU: no cuda");
     }
 
     #[test]
