@@ -207,23 +207,26 @@ fn gpus(nics: &[topology::NicInfo]) {
             return;
         }
     };
-    for d in &topo.devices {
-        println!(
-            "  GPU{} {} (pci {:04x}:{:02x}:{:02x})",
-            d.ordinal, d.name, d.pci.0, d.pci.1, d.pci.2
-        );
-        let nearest =
-            topology::pci_path(d.pci.0 as u32, d.pci.1 as u32, d.pci.2 as u32).and_then(|p| {
-                topology::nearest_nic(&p, nics).map(|n| {
-                    (
-                        n,
-                        topology::pci_affinity(&p, n.pci_path.as_deref().unwrap_or(&p)),
-                    )
-                })
-            });
-        match nearest {
-            Some((n, depth)) => println!("    nearest NIC: {} (shares {depth} PCI path components)", n.name),
-            None => println!("    nearest NIC: none (no active PCI RDMA device, or the GPU's PCI path is unknown)"),
+    match topology::gpus(nics) {
+        Err(e) => println!("  {e}"),
+        Ok(gpus) => {
+            for g in gpus {
+                println!(
+                    "  GPU{} {} (pci {:04x}:{:02x}:{:02x}, numa {})",
+                    g.ordinal,
+                    g.name,
+                    g.pci.0,
+                    g.pci.1,
+                    g.pci.2,
+                    g.numa_node
+                        .map(|n| n.to_string())
+                        .unwrap_or_else(|| "unknown".into())
+                );
+                match g.nearest_nic {
+                    Some((n, depth)) => println!("    nearest NIC: {n} (shares {depth} PCI path components)"),
+                    None => println!("    nearest NIC: none (no active PCI RDMA device, or the GPU's PCI path is unknown)"),
+                }
+            }
         }
     }
     if topo.devices.len() > 1 {

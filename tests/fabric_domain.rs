@@ -874,7 +874,13 @@ fn verbs_gpu_memory_probe_and_registration_agree() {
 /// nvlink-p2p's host stand-in CUDA driver, built into a fresh directory (for
 /// `LD_LIBRARY_PATH`); `None` without a C compiler.
 fn stand_in_dir() -> Option<std::path::PathBuf> {
-    let dir = std::env::temp_dir().join(format!("fabric-domain-standin-{}", std::process::id()));
+    // One directory per call: tests run in parallel and each removes its own.
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "fabric-domain-standin-{}-{}",
+        std::process::id(),
+        CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
     std::fs::create_dir_all(&dir).ok()?;
     let c = dir.join("stub.c");
     std::fs::write(&c, include_str!("../nvlink-p2p/tests/fake_host_driver.c")).ok()?;
@@ -886,4 +892,68 @@ fn stand_in_dir() -> Option<std::path::PathBuf> {
         .map(|s| s.success())
         .unwrap_or(false);
     ok.then_some(dir)
+}
+
+/// Set in the child of `gpus_are_listed_with_numa_node_and_nearest_nic`.
+const GPUS_CHILD: &str = "FABRIC_DOMAIN_GPUS_CHILD";
+
+/// The GPU list (`topology::gpus`): without a CUDA driver a typed `Unavailable`; over
+/// nvlink-p2p's host stand-in driver (two "GPUs" on PCI buses 0x40 and 0x41, which this
+/// host does not have) every GPU is listed, with no NUMA node or nearest NIC invented.
+#[test]
+fn gpus_are_listed_with_numa_node_and_nearest_nic() {
+    let nics = topology::nics().unwrap_or_default();
+    if std::env::var(GPUS_CHILD).is_ok() {
+        let gpus = topology::gpus(&nics).expect("the stand-in lists its GPUs");
+        println!("{gpus:?}");
+        assert_eq!(gpus.len(), 2);
+        for (i, g) in gpus.iter().enumerate() {
+            assert_eq!(g.ordinal, i);
+            assert_eq!(g.pci.1, 0x40 + i as u32, "the bus CUDA reports");
+            let here = topology::pci_path(g.pci.0, g.pci.1, g.pci.2);
+            assert_eq!(g.pci_path, here);
+            if here.is_none() {
+                assert_eq!((g.numa_node, &g.nearest_nic), (None, &None), "{g:?}");
+            }
+        }
+        return;
+    }
+    match nvlink_p2p::Cuda::init() {
+        Err(_) => {
+            let e = topology::gpus(&nics).unwrap_err();
+            assert!(
+                matches!(
+                    &e,
+                    Error::Unavailable {
+                        transport: TransportKind::CudaIpc,
+                        ..
+                    }
+                ),
+                "{e}"
+            );
+        }
+        Ok(_) => println!("a CUDA driver is present: {:?}", topology::gpus(&nics)),
+    }
+    let Some(dir) = stand_in_dir() else {
+        skip(
+            "cc",
+            format_args!("cannot build the stand-in CUDA driver (no `cc`)"),
+        );
+        return;
+    };
+    let status = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "gpus_are_listed_with_numa_node_and_nearest_nic",
+            "--exact",
+            "--nocapture",
+        ])
+        .env(GPUS_CHILD, "1")
+        .env("LD_LIBRARY_PATH", &dir)
+        .env("FAKE_CUDA_COUNT", "2")
+        .env_remove("NVLINK_P2P_REQUIRE_GPU")
+        .stdin(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(status.success(), "the stand-in run failed: {status}");
 }

@@ -1,8 +1,10 @@
-//! What a library chooses a device by: the RDMA devices with their PCI path, NUMA node,
-//! ports (state, link layer, speed and width, GIDs) and the memory kinds they can register, and for
-//! a GPU the nearest NIC by PCI topology (like NCCL's `getProperties` and
-//! `nvidia-smi topo -m`). Device facts come from libibverbs (loaded at run time) and
-//! sysfs (alone, for a device that cannot be opened); a missing library is a typed error.
+//! What a library chooses a device by: the RDMA devices ([`nics`]) with their PCI path,
+//! NUMA node, ports (state, link layer, speed and width, GIDs) and the memory kinds they can
+//! register (GPU memory by a reasoned probe, [`GpuMemoryProbe`]); and the GPUs (`gpus`,
+//! feature `cuda-ipc`) with their NUMA node and the nearest NIC by PCI topology (like NCCL's
+//! `getProperties` and `nvidia-smi topo -m`). Device facts come from libibverbs and CUDA
+//! (loaded at run time) and sysfs (alone, for a device that cannot be opened); a missing
+//! library is a typed error.
 
 use std::path::{Path, PathBuf};
 
@@ -439,6 +441,79 @@ pub fn nics() -> Result<Vec<NicInfo>> {
     Ok(out)
 }
 
+/// One CUDA GPU as a library places work by: its PCI function, NUMA node and the nearest
+/// RDMA NIC (the cuda-ipc backend's devices; [`gpus`]).
+#[cfg(feature = "cuda-ipc")]
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuInfo {
+    /// CUDA device ordinal (`FABRIC_CUDA_DEVICE`).
+    pub ordinal: usize,
+    /// Device name.
+    pub name: String,
+    /// PCI domain, bus and device numbers, as CUDA reports them.
+    pub pci: (u32, u32, u32),
+    /// Canonical sysfs path of its PCI function, when this host shows it.
+    pub pci_path: Option<PathBuf>,
+    /// NUMA node of the PCI function, if the platform says.
+    pub numa_node: Option<i32>,
+    /// The nearest active PCI NIC ([`nearest_nic`]) and how many PCI path components they
+    /// share (more is closer).
+    pub nearest_nic: Option<(String, usize)>,
+}
+
+/// A GPU's description from its CUDA facts and its sysfs PCI path (if any).
+#[cfg(feature = "cuda-ipc")]
+fn describe_gpu(
+    ordinal: usize,
+    name: String,
+    pci: (u32, u32, u32),
+    pci_path: Option<PathBuf>,
+    nics: &[NicInfo],
+) -> GpuInfo {
+    let numa_node = pci_path
+        .as_ref()
+        .and_then(|p| read_trim(p.join("numa_node")))
+        .and_then(|s| s.parse().ok())
+        .filter(|&n: &i32| n >= 0);
+    let nearest_nic = pci_path.as_ref().and_then(|p| {
+        let n = nearest_nic(p, nics)?;
+        Some((n.name.clone(), pci_affinity(p, n.pci_path.as_deref()?)))
+    });
+    GpuInfo {
+        ordinal,
+        name,
+        pci,
+        pci_path,
+        numa_node,
+        nearest_nic,
+    }
+}
+
+/// The CUDA GPUs of this machine, each with its nearest NIC among `nics` (from [`nics`]).
+///
+/// # Errors
+/// [`Error::Unavailable`] (cuda-ipc) when the CUDA driver cannot be loaded, lists no GPU
+/// or cannot describe one.
+#[cfg(feature = "cuda-ipc")]
+pub fn gpus(nics: &[NicInfo]) -> Result<Vec<GpuInfo>> {
+    let unavailable = |e: nvlink_p2p::Error| Error::Unavailable {
+        transport: TransportKind::CudaIpc,
+        reason: e.to_string(),
+    };
+    let topo = nvlink_p2p::Cuda::init()
+        .and_then(|c| c.topology())
+        .map_err(unavailable)?;
+    Ok(topo
+        .devices
+        .into_iter()
+        .map(|d| {
+            let pci = (d.pci.0 as u32, d.pci.1 as u32, d.pci.2 as u32);
+            let path = pci_path(pci.0, pci.1, pci.2);
+            describe_gpu(d.ordinal, d.name, pci, path, nics)
+        })
+        .collect())
+}
+
 /// The canonical sysfs path of the PCI function `domain:bus:device.0` (a GPU's address
 /// as CUDA reports it).
 pub fn pci_path(domain: u32, bus: u32, device: u32) -> Option<PathBuf> {
@@ -523,6 +598,30 @@ mod tests {
         };
         assert!(!no_gpu.expected());
         assert_eq!(no_gpu.reason(), "unknown: GPU: no cuda");
+    }
+
+    #[cfg(feature = "cuda-ipc")]
+    #[test]
+    fn a_gpu_is_described_with_its_numa_node_and_nearest_nic() {
+        let root = std::env::temp_dir().join(format!("fabric-gpu-{}", std::process::id()));
+        let gpu = root.join("pci0000:80/0000:80:01.0/0000:81:00.0/0000:82:00.0");
+        std::fs::create_dir_all(&gpu).unwrap();
+        std::fs::write(gpu.join("numa_node"), "1\n").unwrap();
+        let near = root.join("pci0000:80/0000:80:01.0/0000:81:00.0/0000:83:00.0");
+        let far = root.join("pci0000:00/0000:00:01.0/0000:01:00.0");
+        let nics = [
+            nic("far", far.to_str(), true),
+            nic("near", near.to_str(), true),
+        ];
+        let g = describe_gpu(0, "GPU".into(), (0, 0x82, 0), Some(gpu.clone()), &nics);
+        let _ = std::fs::remove_dir_all(&root);
+        assert_eq!(g.numa_node, Some(1));
+        let (name, depth) = g.nearest_nic.unwrap();
+        assert_eq!(name, "near");
+        assert_eq!(depth, pci_affinity(&gpu, &near));
+        // No PCI path on this host: no NUMA node, no nearest NIC (not a guess).
+        let g = describe_gpu(1, "GPU".into(), (0, 0x40, 0), None, &nics);
+        assert_eq!((g.numa_node, g.nearest_nic), (None, None));
     }
 
     #[test]
