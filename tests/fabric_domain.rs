@@ -808,6 +808,21 @@ fn verbs_gpu_memory_probe_and_registration_agree() {
         probe.expected(),
         "memory kinds follow the probe"
     );
+    // The verbs domain on this device says the same.
+    let opts = Options {
+        verbs_device: Some(nic.name.clone()),
+        ..Options::default()
+    };
+    let support = Domain::open(TransportKind::Verbs, &opts)
+        .unwrap()
+        .memory_support();
+    assert_eq!(
+        support
+            .caller
+            .contains(fabric_core::MemoryKinds::CUDA_DEVICE),
+        probe.expected(),
+        "{support:?} vs {probe:?}"
+    );
     if nic.pci_path.is_none() {
         // A software device (Soft-RoCE): its provider has no DMA-BUF registration.
         assert!(
@@ -826,10 +841,6 @@ fn verbs_gpu_memory_probe_and_registration_agree() {
         assert!(probe.gpu.holds(), "{probe:?}");
         let buf = std::sync::Arc::new(cuda.device(0).unwrap().alloc(1 << 16).unwrap());
         let dmabuf = nvlink_p2p::DmaBuf::export(&buf, 0, 1 << 16).expect("stand-in export");
-        let opts = Options {
-            verbs_device: Some(nic.name.clone()),
-            ..Options::default()
-        };
         let d = Domain::open(TransportKind::Verbs, &opts).unwrap();
         match d.register_dmabuf(dmabuf, Access::REMOTE_WRITE) {
             Err(e @ Error::Unsupported { .. }) => {

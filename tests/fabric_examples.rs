@@ -104,6 +104,20 @@ fn fabric_info_reports_without_panicking() {
     assert!(out.contains("== transports"), "{out}");
     assert!(out.contains("shm       usable"), "{out}");
     assert!(out.contains("tcp       usable"), "{out}");
+    // Each listed NIC shows its GPU-memory probe, and each active port its speed.
+    let nics = fabric_core::topology::nics().unwrap_or_default();
+    for n in &nics {
+        assert!(out.contains(&format!("  {}: pci", n.name)), "{out}");
+    }
+    if !nics.is_empty() {
+        assert!(out.contains("GPU memory (DMA-BUF): "), "{out}");
+    }
+    if nics
+        .iter()
+        .any(|n| n.ports.iter().any(|p| p.active && p.gbps().is_some()))
+    {
+        assert!(out.contains(" Gb/s ("), "{out}");
+    }
 }
 
 /// The main job over RDMA when this machine has an active RDMA port (the Soft-RoCE guest).

@@ -231,6 +231,17 @@ impl GpuMemoryProbe {
     }
 }
 
+/// The whole [`GpuMemoryProbe`] for an opened device (the verbs domain's
+/// [`MemorySupport`](crate::MemorySupport) lists GPU memory only when it is expected).
+pub fn probe_gpu_memory(ctx: &ibverbs_safe::Context) -> GpuMemoryProbe {
+    let (library, device) = probe_dmabuf(ctx);
+    GpuMemoryProbe {
+        library,
+        device,
+        gpu: probe_gpu(),
+    }
+}
+
 /// Check 2 (and 1) of [`GpuMemoryProbe`] on an opened device.
 fn probe_dmabuf(ctx: &ibverbs_safe::Context) -> (Check, Check) {
     let unknown = |why: String| (Check::Unknown(why.clone()), Check::Unknown(why));

@@ -149,11 +149,17 @@ impl DomainBackend for VerbsDomain {
     }
 
     fn memory(&self) -> MemorySupport {
+        // GPU memory only where the probe expects DMA-BUF registration to work.
+        let gpu = if crate::topology::probe_gpu_memory(&self.ctx).expected() {
+            MemoryKinds::CUDA_DEVICE
+        } else {
+            MemoryKinds::empty()
+        };
         MemorySupport {
             allocated: MemoryKinds::HOST,
             allocated_remote: MemoryKinds::HOST,
-            caller: MemoryKinds::HOST | MemoryKinds::CUDA_DEVICE,
-            caller_remote: MemoryKinds::HOST | MemoryKinds::CUDA_DEVICE,
+            caller: MemoryKinds::HOST | gpu,
+            caller_remote: MemoryKinds::HOST | gpu,
         }
     }
 
