@@ -42,7 +42,8 @@
 //!   memory it allocates ([`Domain::register`]) or the caller's, in place
 //!   ([`Domain::register_memory`] for `Vec<u8>`, `Box<[u8]>`, typed `Vec<f32>`-like
 //!   buffers of [`Plain`] elements, `memmap2::MmapMut`, [`AlignedBuf`];
-//!   [`Domain::register_raw`] for foreign memory with a keep-alive). A region works on
+//!   [`Domain::register_raw`] for foreign memory with a keep-alive; a refused registration
+//!   hands the memory back in its [`RegisterError`]). A region works on
 //!   every connection of its domain ([`Domain::listen`], [`Domain::connect`]); ids live in
 //!   a [`registry::Registry`] with generations and are reused. Dropping the last handle
 //!   (no operation holds a slice any more) deregisters it and revokes its key at every

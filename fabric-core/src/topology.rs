@@ -150,8 +150,8 @@ pub struct NicInfo {
     /// Memory kinds it can register: host memory always; GPU memory when every check of
     /// [`gpu_memory`](Self::gpu_memory) holds.
     pub memory: MemoryKinds,
-    /// Whether GPU memory (DMA-BUF, [`Domain::register_dmabuf`](crate::Domain::register_dmabuf))
-    /// can be registered here, check by check, with how each was decided.
+    /// Whether GPU memory (DMA-BUF: `Domain::register_dmabuf`, feature `cuda-ipc`) can be
+    /// registered here, check by check, with how each was decided.
     pub gpu_memory: GpuMemoryProbe,
 }
 
@@ -194,7 +194,7 @@ impl Check {
 ///    (`CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`; needs the `cuda-ipc` feature).
 ///
 /// This is a well-founded expectation, not a promise: registration is the final word
-/// ([`Domain::register_dmabuf`](crate::Domain::register_dmabuf) can still be refused, e.g.
+/// (`Domain::register_dmabuf`, feature `cuda-ipc`, can still be refused, e.g.
 /// by the IOMMU or a GPU on another PCI root, and says so with a typed error).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GpuMemoryProbe {
