@@ -93,6 +93,8 @@ mod sync;
 pub mod topology;
 pub mod tracker;
 pub mod transport;
+#[cfg(not(fabric_loom))]
+pub mod worker;
 
 #[cfg(not(fabric_loom))]
 pub mod backend;
@@ -109,3 +111,5 @@ pub use transport::{
     AtomicOp, Capabilities, Completion, MemoryKinds, MessageOrdering, OpKind, PostError,
     PostResult, RemoteKey, Status, Transport, TransportKind,
 };
+#[cfg(not(fabric_loom))]
+pub use worker::{EndpointId, Event, Worker};
