@@ -91,9 +91,15 @@
 //!
 //! # Limits
 //!
-//! * A tcp endpoint whose peer sent a message the caller has not posted a receive for keeps
-//!   its socket readable, so it wakes the worker on every wait (as a lone
-//!   [`Transport::wait`] would spin); post receives for what peers send, or remove it.
+//! * A parked endpoint is polled again only when its fd fires, so the worker relies on each
+//!   backend's `arm` keeping its promise (work that arrived before the arm makes it return
+//!   `false`; work after it makes the fd readable). A backend that misses work there hangs
+//!   that endpoint here, where a lone [`Transport::wait`] would only sleep to its timeout
+//!   (the verbs backend's `arm` did not look into the CQ; the worker's tests caught it).
+//! * An endpoint whose fd stays readable for data the caller has no receive posted for
+//!   wakes the worker on every wait, as it would a lone [`Transport::wait`]. shm endpoints
+//!   go dormant instead, and tcp buffers a waiting message (tested in
+//!   `tests/fabric_worker.rs`); verbs makes the sender retry (receiver not ready).
 //! * The worker relies on each endpoint's `wait_fd` staying the same fd for the
 //!   connection's life (true of every backend here).
 #![allow(unsafe_code)]
