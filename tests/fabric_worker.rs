@@ -192,7 +192,7 @@ fn child_role() {
     let var = |k: &str| std::env::var(k).unwrap_or_else(|_| panic!("{k} unset"));
     let kind: TransportKind = var("FABRIC_WORKER_KIND").parse().unwrap();
     let n: usize = var("FABRIC_WORKER_N").parse().unwrap();
-    raise_fd_limit(16 * n as u64 + 64);
+    raise_fd_limit(10 * n as u64 + 64);
     if let Err(e) = echo_peer(kind, &var("FABRIC_WORKER_ADDR"), n, 0) {
         panic!("{e}");
     }
@@ -819,7 +819,7 @@ fn many_endpoints(kind: TransportKind, test: &str) {
     let Some(domain) = open(kind, test) else {
         return;
     };
-    raise_fd_limit(16 * N as u64 + 64);
+    raise_fd_limit(10 * N as u64 + 64);
     let opts = domain.options().clone();
     let mut w = Worker::new(&domain).unwrap();
     let mut l = domain.listen().unwrap();
