@@ -682,6 +682,13 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_worker_moves_between_threads() {
+        fn send<T: Send>() {}
+        send::<Worker>();
+        send::<Event>();
+    }
+
+    #[test]
     fn ids_carry_index_and_generation() {
         let id = EndpointId::new(5, 3);
         assert_eq!(id.index(), 5);
