@@ -188,7 +188,7 @@ pub(crate) struct Parts {
 
 impl Region {
     pub(crate) fn from_parts(p: Parts) -> Self {
-        debug_assert!(p.mem.len() >= p.len);
+        debug_assert!(p.device.is_some() || p.mem.len() >= p.len);
         Region {
             inner: Arc::new(RegionInner {
                 id: p.id,
@@ -207,42 +207,6 @@ impl Region {
                 mem: p.mem,
             }),
         }
-    }
-
-    /// A region over device memory (backends that register GPU memory call this).
-    #[cfg_attr(any(fabric_loom, not(feature = "cuda-ipc")), allow(dead_code))]
-    pub(crate) fn device(
-        id: u32,
-        owner: u64,
-        transport: TransportKind,
-        access: Access,
-        len: usize,
-        memory: Box<dyn DeviceBacking>,
-    ) -> Result<Self> {
-        let placeholder = MmapRaw::from(
-            memmap2::MmapOptions::new()
-                .len(1)
-                .map_anon()
-                .map_err(|e| Error::io("mmap", e))?,
-        );
-        Ok(Region {
-            inner: Arc::new(RegionInner {
-                id,
-                gen: 0,
-                owner,
-                key: random_u64(),
-                access,
-                transport,
-                len,
-                revoke: None,
-                backing: None,
-                rkey: 0,
-                fd: None,
-                device: Some(memory),
-                lend: Lend::new(),
-                mem: Memory::Placeholder(placeholder),
-            }),
-        })
     }
 
     /// The device memory behind the region, if it is not host memory.
