@@ -894,13 +894,18 @@ impl ConnShared {
         if out.closed || !out.exports.contains_key(&(id, gen)) {
             return;
         }
-        if out.peer_gone || out.same_process {
-            // No mapping of another process can be left: free now.
+        if out.peer_gone {
+            // Its mappings went with it: free now.
             out.release(id, gen);
-        } else {
-            out.push_frame(K_REVOKE, &encode_revoke(id, gen));
-            let _ = out.flush(&self.sock);
+            return;
         }
+        if out.same_process {
+            // Its "mapping" is the buffer itself (it holds its own reference): ours can go
+            // now. The peer still has to hear of the revocation.
+            out.release(id, gen);
+        }
+        out.push_frame(K_REVOKE, &encode_revoke(id, gen));
+        let _ = out.flush(&self.sock);
     }
 }
 
