@@ -3,7 +3,8 @@
 //!
 //! The layering follows UCX (`ucp_context` → `ucp_mem_map` → `ucp_ep`) and libfabric
 //! (`fi_domain` → `fi_mr_reg` → endpoints): a domain holds what is per device (the verbs
-//! context and protection domain, the shm announcement fan-out), registrations live in its
+//! context and protection domain, the shm announcement fan-out, the CUDA context and the
+//! IPC exports of cuda-ipc), registrations live in its
 //! [`Registry`] (ids with generations, reused), and connections come from
 //! [`Domain::listen`] / [`Domain::connect`]. A region is usable on every connection of its
 //! domain; dropping it (once no operation holds a slice of it) deregisters it and revokes

@@ -111,7 +111,7 @@ pub(crate) struct RegionInner {
     pub(crate) id: u32,
     /// Generation of the id (the registry slot's); keys carry it.
     pub(crate) gen: u32,
-    /// The domain (or, for connection-scoped backends, the connection) it belongs to.
+    /// The domain it belongs to.
     pub(crate) owner: u64,
     pub(crate) key: u64,
     pub(crate) access: Access,

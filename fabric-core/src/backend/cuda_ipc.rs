@@ -791,10 +791,10 @@ fn finish(sock: UnixStream, domain: &Domain) -> Result<Box<dyn Transport>> {
         stream,
         shared,
         inbox: Vec::new(),
+        chunk: vec![0u8; 64 * 1024].into_boxed_slice(),
         hello_seen: false,
-        remote: HashMap::new(),
-        retired: HashMap::new(),
-        closing: Vec::new(),
+        remote: RemoteTable::default(),
+        answers: Vec::new(),
         copies: VecDeque::new(),
         blocked_since: None,
         wait_limit: opts.handshake_timeout,
@@ -910,18 +910,137 @@ impl ConnShared {
 }
 
 #[derive(Debug)]
-struct RemoteRegion {
+struct RemoteRegion<M> {
     gen: u32,
     key: u64,
     access: Access,
     handle: nv::IpcMemHandle,
     /// Opened at the first operation: the mapping, or why it could not be opened.
-    mapping: Option<std::result::Result<Mapped, String>>,
+    mapping: Option<std::result::Result<M, String>>,
 }
 
 /// Whether `a` is an older generation than `b` (or the same): serial-number order.
 fn not_newer(a: u32, b: u32) -> bool {
     (b.wrapping_sub(a) as i32) >= 0
+}
+
+/// Where a key stands on this side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum KeyState {
+    /// Announced with this generation.
+    Live,
+    /// Revoked, or superseded by a newer generation.
+    Stale,
+    /// Not announced yet.
+    Unknown,
+}
+
+/// The peer's regions as this side knows them, with no I/O (`M`: an opened mapping): live
+/// announcements by id, the newest revoked generation per id, and revoked mappings that
+/// wait for their in-flight copies. Revocations to answer (`revoked (id, gen)`) are pushed
+/// to `answers`.
+#[derive(Debug)]
+struct RemoteTable<M> {
+    live: HashMap<u32, RemoteRegion<M>>,
+    /// The newest revoked (or superseded) generation per id: keys up to it fail at once.
+    retired: HashMap<u32, u32>,
+    closing: Vec<(u32, u32, M)>,
+    /// Most distinct ids tracked ([`MAX_REMOTE_IDS`]).
+    max_ids: usize,
+}
+
+impl<M> Default for RemoteTable<M> {
+    fn default() -> Self {
+        RemoteTable {
+            live: HashMap::new(),
+            retired: HashMap::new(),
+            closing: Vec::new(),
+            max_ids: MAX_REMOTE_IDS,
+        }
+    }
+}
+
+impl<M> RemoteTable<M> {
+    fn retire(&mut self, id: u32, gen: u32) {
+        let newest = self.retired.entry(id).or_insert(gen);
+        if not_newer(*newest, gen) {
+            *newest = gen;
+        }
+    }
+
+    /// The peer announced a region. A newer generation of a live id supersedes it (the
+    /// old one's revocation may come later: the id was reused meanwhile).
+    ///
+    /// # Errors
+    /// [`Error::Protocol`] when the peer names more ids than the table tracks.
+    fn announce(&mut self, a: Announcement, answers: &mut Vec<(u32, u32)>) -> Result<()> {
+        let known = self.live.contains_key(&a.region) || self.retired.contains_key(&a.region);
+        if !known && self.live.len() + self.retired.len() >= self.max_ids {
+            return Err(Error::Protocol(format!(
+                "cuda-ipc: the peer named more than {} region ids",
+                self.max_ids
+            )));
+        }
+        if let Some(old) = self.live.get(&a.region).map(|r| r.gen) {
+            self.revoke(a.region, old, answers);
+        }
+        self.live.insert(
+            a.region,
+            RemoteRegion {
+                gen: a.gen,
+                key: a.key,
+                access: Access::from_bits_truncate(a.access),
+                handle: a.handle,
+                mapping: None,
+            },
+        );
+        Ok(())
+    }
+
+    /// The peer revoked `(id, gen)`: keys of it fail from now on; its mapping closes once
+    /// no copy uses it (then it is answered), or is answered now when it was never opened.
+    fn revoke(&mut self, id: u32, gen: u32, answers: &mut Vec<(u32, u32)>) {
+        self.retire(id, gen);
+        if self.live.get(&id).is_some_and(|r| r.gen == gen) {
+            let r = self.live.remove(&id).expect("checked above");
+            match r.mapping {
+                Some(Ok(m)) => self.closing.push((id, gen, m)),
+                _ => answers.push((id, gen)),
+            }
+        } else if !self.closing.iter().any(|c| c.0 == id && c.1 == gen) {
+            // Never announced, superseded and closed, or answered before: answer (again).
+            answers.push((id, gen));
+        }
+    }
+
+    fn key_state(&self, id: u32, gen: u32) -> KeyState {
+        if let Some(r) = self.live.get(&id) {
+            if r.gen == gen {
+                return KeyState::Live;
+            }
+            if not_newer(gen, r.gen) {
+                return KeyState::Stale;
+            }
+        }
+        match self.retired.get(&id) {
+            Some(&newest) if not_newer(gen, newest) => KeyState::Stale,
+            _ => KeyState::Unknown,
+        }
+    }
+
+    /// Closes revoked mappings that `unused` says no copy holds, and answers them.
+    fn close_unused(&mut self, unused: impl Fn(&M) -> bool, answers: &mut Vec<(u32, u32)>) {
+        let mut i = 0;
+        while i < self.closing.len() {
+            if unused(&self.closing[i].2) {
+                let (id, gen, mapping) = self.closing.swap_remove(i);
+                drop(mapping);
+                answers.push((id, gen));
+            } else {
+                i += 1;
+            }
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -930,13 +1049,13 @@ struct CudaIpcHal {
     stream: nv::Stream,
     shared: Arc<ConnShared>,
     inbox: Vec<u8>,
+    /// Where socket reads land (allocated once: no 64 KiB clearing per poll).
+    chunk: Box<[u8]>,
     hello_seen: bool,
-    /// The peer's live announced regions, by id.
-    remote: HashMap<u32, RemoteRegion>,
-    /// The newest revoked (or superseded) generation per id: keys up to it fail at once.
-    retired: HashMap<u32, u32>,
-    /// Revoked peer mappings waiting for their in-flight copies before they close.
-    closing: Vec<(u32, u32, Mapped)>,
+    /// The peer's regions.
+    remote: RemoteTable<Mapped>,
+    /// Revocations to answer (scratch, kept for its capacity).
+    answers: Vec<(u32, u32)>,
     copies: VecDeque<(Token, nv::PendingCopy, usize)>,
     blocked_since: Option<Instant>,
     wait_limit: Duration,
@@ -948,16 +1067,6 @@ enum Parsed {
     Drained,
     /// A message waits for a posted receive.
     WaitingForRecv,
-}
-
-/// Where a key stands on this side.
-enum KeyState {
-    /// Announced with this generation.
-    Live,
-    /// Revoked, or superseded by a newer generation.
-    Stale,
-    /// Not announced yet.
-    Unknown,
 }
 
 impl CudaIpcHal {
@@ -977,47 +1086,14 @@ impl CudaIpcHal {
         self.out().pending()
     }
 
-    fn retire(&mut self, id: u32, gen: u32) {
-        let newest = self.retired.entry(id).or_insert(gen);
-        if not_newer(*newest, gen) {
-            *newest = gen;
+    /// Sends the revocation answers collected in `self.answers`.
+    fn answer(&mut self) {
+        if self.answers.is_empty() {
+            return;
         }
-    }
-
-    /// The peer revoked `(id, gen)`: operations with it fail from now on; the mapping
-    /// closes once no copy uses it, and the peer is told.
-    fn revoke_remote(&mut self, id: u32, gen: u32) {
-        self.retire(id, gen);
-        match self.remote.get(&id) {
-            Some(r) if r.gen == gen => {}
-            _ => {
-                // Never announced, superseded (answered when its mapping closes) or already
-                // closed: answer now unless it is still closing.
-                if !self.closing.iter().any(|c| c.0 == id && c.1 == gen) {
-                    self.push_frame(K_REVOKED, &encode_revoke(id, gen));
-                }
-                return;
-            }
-        }
-        let r = self.remote.remove(&id).expect("checked above");
-        match r.mapping {
-            Some(Ok(m)) => self.closing.push((id, gen, m)),
-            _ => self.push_frame(K_REVOKED, &encode_revoke(id, gen)),
-        }
-    }
-
-    fn key_state(&self, id: u32, gen: u32) -> KeyState {
-        if let Some(r) = self.remote.get(&id) {
-            if r.gen == gen {
-                return KeyState::Live;
-            }
-            if not_newer(gen, r.gen) {
-                return KeyState::Stale;
-            }
-        }
-        match self.retired.get(&id) {
-            Some(&newest) if not_newer(gen, newest) => KeyState::Stale,
-            _ => KeyState::Unknown,
+        let mut out = lock(&self.shared.out);
+        for (id, gen) in self.answers.drain(..) {
+            out.push_frame(K_REVOKED, &encode_revoke(id, gen));
         }
     }
 
@@ -1048,28 +1124,8 @@ impl CudaIpcHal {
             match kind {
                 K_ANNOUNCE => {
                     let a = Announcement::decode(body)?;
-                    let known =
-                        self.remote.contains_key(&a.region) || self.retired.contains_key(&a.region);
-                    if !known && self.remote.len() + self.retired.len() >= MAX_REMOTE_IDS {
-                        return Err(Error::Protocol(format!(
-                            "cuda-ipc: the peer named more than {MAX_REMOTE_IDS} region ids"
-                        )));
-                    }
-                    // A newer generation of a live id supersedes it (its revocation may
-                    // come after: the id was reused meanwhile).
-                    if let Some(old) = self.remote.get(&a.region).map(|r| r.gen) {
-                        self.revoke_remote(a.region, old);
-                    }
-                    self.remote.insert(
-                        a.region,
-                        RemoteRegion {
-                            gen: a.gen,
-                            key: a.key,
-                            access: Access::from_bits_truncate(a.access),
-                            handle: a.handle,
-                            mapping: None,
-                        },
-                    );
+                    self.remote.announce(a, &mut self.answers)?;
+                    self.answer();
                 }
                 K_MSG => {
                     let Some(rt) = t.recv_front() else {
@@ -1088,7 +1144,8 @@ impl CudaIpcHal {
                 }
                 K_REVOKE => {
                     let (id, gen) = decode_revoke(body)?;
-                    self.revoke_remote(id, gen);
+                    self.remote.revoke(id, gen, &mut self.answers);
+                    self.answer();
                 }
                 K_REVOKED => {
                     let (id, gen) = decode_revoke(body)?;
@@ -1104,12 +1161,12 @@ impl CudaIpcHal {
 
     /// Reads the socket and handles frames; a hang-up fails everything in flight.
     fn receive(&mut self, t: &mut Tracker) -> Result<()> {
-        let mut chunk = [0u8; 64 * 1024];
         loop {
             if let Parsed::WaitingForRecv = self.parse(t)? {
                 return Ok(());
             }
-            match (&self.shared.sock).read(&mut chunk) {
+            let chunk = &mut self.chunk[..];
+            match (&self.shared.sock).read(chunk) {
                 Ok(0) => {
                     self.parse(t)?;
                     self.out().peer_left();
@@ -1157,7 +1214,7 @@ impl CudaIpcHal {
             }
             OpDesc::Write { key, off } | OpDesc::Read { key, off } => {
                 let write = matches!(desc, OpDesc::Write { .. });
-                match self.key_state(key.region, key.gen) {
+                match self.remote.key_state(key.region, key.gen) {
                     KeyState::Live => self.blocked_since = None,
                     KeyState::Stale => {
                         t.submit_pop();
@@ -1183,7 +1240,7 @@ impl CudaIpcHal {
                     Access::REMOTE_READ
                 };
                 let device = &self.device;
-                let r = self.remote.get_mut(&key.region).expect("live key");
+                let r = self.remote.live.get_mut(&key.region).expect("live key");
                 if r.key != key.key || !r.access.contains(need) {
                     t.complete(tok, Status::RemoteAccess, 0, 0);
                     return true;
@@ -1224,16 +1281,8 @@ impl CudaIpcHal {
 
     /// Closes revoked peer mappings that no copy uses any more, and says so to the peer.
     fn close_revoked(&mut self) {
-        let mut i = 0;
-        while i < self.closing.len() {
-            if self.closing[i].2.unused() {
-                let (id, gen, mapping) = self.closing.swap_remove(i);
-                drop(mapping);
-                self.push_frame(K_REVOKED, &encode_revoke(id, gen));
-            } else {
-                i += 1;
-            }
-        }
+        self.remote.close_unused(Mapped::unused, &mut self.answers);
+        self.answer();
     }
 
     /// Completes finished copies, in order.
@@ -1260,8 +1309,7 @@ impl Drop for CudaIpcHal {
     /// under the peer.
     fn drop(&mut self) {
         self.copies.clear(); // each waits for its copy
-        self.remote.clear();
-        self.closing.clear();
+        self.remote = RemoteTable::default();
         let regions: Vec<(u32, u32)> = {
             let mut out = self.out();
             out.closed = true;
@@ -1362,7 +1410,7 @@ impl Hal for CudaIpcHal {
 
     fn arm(&mut self, t: &Tracker) -> Result<bool> {
         let work = !self.copies.is_empty()
-            || !self.closing.is_empty()
+            || !self.remote.closing.is_empty()
             || self.pending_out() > 0
             || (t.has_submissions() && self.blocked_since.is_none())
             || (self.inbox.len() >= FRAME_HEADER_LEN && t.recv_front().is_some());
@@ -1475,6 +1523,96 @@ mod tests {
     fn generations_compare_across_the_wrap() {
         assert!(not_newer(3, 3) && not_newer(3, 4) && !not_newer(4, 3));
         assert!(not_newer(u32::MAX, 0) && !not_newer(0, u32::MAX));
+    }
+
+    fn ann(region: u32, gen: u32) -> Announcement {
+        Announcement {
+            region,
+            gen,
+            access: Access::REMOTE_WRITE.bits(),
+            key: 99,
+            handle: nv::IpcMemHandle::from_parts([3; 64], 4096, [9; 16]),
+        }
+    }
+
+    #[test]
+    fn remote_keys_follow_announcements_revocations_and_reuse() {
+        let mut t = RemoteTable::<u8>::default();
+        let mut answers = Vec::new();
+        assert_eq!(t.key_state(5, 0), KeyState::Unknown);
+        t.announce(ann(5, 0), &mut answers).unwrap();
+        assert_eq!(t.key_state(5, 0), KeyState::Live);
+        assert_eq!(t.key_state(5, 1), KeyState::Unknown, "a newer one may come");
+        // Revoked before any use: answered at once; its key is stale from now on.
+        t.revoke(5, 0, &mut answers);
+        assert_eq!(answers, [(5, 0)]);
+        assert_eq!(t.key_state(5, 0), KeyState::Stale);
+        // The id comes back with the next generation.
+        answers.clear();
+        t.announce(ann(5, 1), &mut answers).unwrap();
+        assert!(answers.is_empty());
+        assert_eq!(t.key_state(5, 1), KeyState::Live);
+        assert_eq!(t.key_state(5, 0), KeyState::Stale);
+        // Mapped, then revoked: answered only once the mapping is unused.
+        t.live.get_mut(&5).unwrap().mapping = Some(Ok(7));
+        t.revoke(5, 1, &mut answers);
+        assert!(answers.is_empty(), "answered while a copy may use it");
+        assert_eq!(t.key_state(5, 1), KeyState::Stale);
+        t.close_unused(|_| false, &mut answers);
+        assert!(answers.is_empty());
+        t.close_unused(|&m| m == 7, &mut answers);
+        assert_eq!(answers, [(5, 1)]);
+        assert!(t.closing.is_empty());
+        // A newer generation announced before the old one's revocation (the exporter
+        // reused the id meanwhile) supersedes it; the late revocation is answered again
+        // (harmless) and does not touch the new one.
+        answers.clear();
+        t.announce(ann(6, 0), &mut answers).unwrap();
+        t.live.get_mut(&6).unwrap().mapping = Some(Ok(1));
+        t.announce(ann(6, 1), &mut answers).unwrap();
+        assert_eq!(t.key_state(6, 0), KeyState::Stale);
+        assert_eq!(t.key_state(6, 1), KeyState::Live);
+        assert_eq!(t.closing.len(), 1);
+        t.revoke(6, 0, &mut answers);
+        assert!(answers.is_empty(), "still closing");
+        assert_eq!(t.key_state(6, 1), KeyState::Live);
+        t.close_unused(|_| true, &mut answers);
+        assert_eq!(answers, [(6, 0)]);
+        // Generations wrap.
+        t.announce(ann(8, u32::MAX), &mut answers).unwrap();
+        t.revoke(8, u32::MAX, &mut answers);
+        t.announce(ann(8, 0), &mut answers).unwrap();
+        assert_eq!(t.key_state(8, 0), KeyState::Live);
+        assert_eq!(t.key_state(8, u32::MAX), KeyState::Stale);
+    }
+
+    #[test]
+    fn a_churning_peer_keeps_the_table_bounded_and_too_many_ids_are_refused() {
+        let mut t = RemoteTable::<u8>::default();
+        let mut answers = Vec::new();
+        for gen in 0..100_000u32 {
+            t.announce(ann(gen % 3, gen / 3), &mut answers).unwrap();
+            t.revoke(gen % 3, gen / 3, &mut answers);
+        }
+        assert_eq!(answers.len(), 100_000);
+        assert!(t.live.is_empty() && t.closing.is_empty());
+        assert_eq!(t.retired.len(), 3);
+        let mut t = RemoteTable::<u8> {
+            max_ids: 1000,
+            ..RemoteTable::default()
+        };
+        for id in 0..1000 {
+            t.announce(ann(id, 0), &mut answers).unwrap();
+        }
+        // A known id is fine, live or revoked; a new one is a protocol error.
+        t.announce(ann(0, 1), &mut answers).unwrap();
+        t.revoke(1, 0, &mut answers);
+        t.announce(ann(1, 1), &mut answers).unwrap();
+        assert!(matches!(
+            t.announce(ann(1000, 0), &mut answers),
+            Err(Error::Protocol(_))
+        ));
+        assert_eq!(RemoteTable::<u8>::default().max_ids, MAX_REMOTE_IDS);
     }
 
     #[test]
