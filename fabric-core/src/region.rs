@@ -73,7 +73,7 @@ pub(crate) enum Memory {
     },
     /// Device memory: a 1-byte placeholder; every byte access goes through
     /// [`RegionInner::device`].
-    #[cfg_attr(not(feature = "cuda-ipc"), allow(dead_code))]
+    #[cfg_attr(any(fabric_loom, not(feature = "cuda-ipc")), allow(dead_code))]
     Placeholder(MmapRaw),
 }
 

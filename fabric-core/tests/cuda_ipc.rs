@@ -647,7 +647,7 @@ fn caller_device_memory() {
         }
     );
     let host = da.register_memory(vec![0u8; 64], Access::empty());
-    let e = format!("{:?}", host.err().expect("host memory on cuda-ipc"));
+    let e = format!("{:?}", host.expect_err("host memory on cuda-ipc"));
     assert!(
         e.contains("Unsupported") && e.contains("register_device"),
         "{e}"

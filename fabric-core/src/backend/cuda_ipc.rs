@@ -489,7 +489,7 @@ impl DomainBackend for CudaIpcDomain {
             gen: r.generation(),
             access: r.access().bits(),
             key: r.inner.key,
-            handle: handle.clone(),
+            handle: *handle,
         };
         let e = Arc::new(Export {
             gen: r.generation(),
