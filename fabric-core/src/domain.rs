@@ -419,6 +419,20 @@ impl Domain {
     /// [`register`](Self::register) stays the convenient form: on cuda-ipc it allocates
     /// zeroed device memory.
     ///
+    /// ```no_run
+    /// use fabric_core::{backend::Options, Access, Domain, TransportKind};
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let domain = Domain::open(TransportKind::CudaIpc, &Options::default())?;
+    /// let gpu = nvlink_p2p::Cuda::init()?.device(0)?;
+    /// let tensor = gpu.alloc(1 << 20)?; // the caller's device allocation
+    /// let region = domain
+    ///     .register_device(tensor, Access::REMOTE_READ)
+    ///     .map_err(|(e, _tensor)| e)?; // on failure the buffer comes back
+    /// let key = region.remote_key(); // for the peers of every connection of `domain`
+    /// # let _ = key;
+    /// # Ok(()) }
+    /// ```
+    ///
     /// # Errors
     /// The error and `buf`, handed back: [`Error::Unsupported`] on domains that do not
     /// register device buffers in place (shm, tcp; verbs takes GPU memory as a DMA-BUF,

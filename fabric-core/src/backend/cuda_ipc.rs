@@ -22,8 +22,9 @@
 //!   every peer it was announced to. From then on the peer's operations with that key
 //!   complete with [`Status::RemoteAccess`] without touching memory; the peer closes its
 //!   mapping once its in-flight copies on it finished and answers `revoked`. The memory is
-//!   freed when every peer answered (or hung up: its mappings closed with its transport, or
-//!   the driver unmapped them with its process). The driver's documentation makes it
+//!   freed when every peer answered (an answer is read when its connection is next polled)
+//!   or hung up (its mappings closed with its transport, or the driver unmapped them with
+//!   its process). The driver's documentation makes it
 //!   undefined to free memory a peer still maps, so a connection dropped while its peer has
 //!   not answered waits for the answers for at most the handshake timeout, then leaks what is
 //!   still unanswered rather than free it under the peer. Revocations travel in order with
