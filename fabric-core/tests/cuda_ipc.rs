@@ -809,6 +809,15 @@ fn regions_across_connections() {
         Status::RemoteAccess
     );
     assert_eq!(d.live_regions(), 3); // late, msg, reused
+                                     // One connection goes; the regions and the other connections stay.
+    drop((x1, y1));
+    let st = one_sided(y2.as_mut(), x2.as_mut(), false, &l2, 4096, &lk, 0);
+    assert_eq!(
+        st,
+        Status::Success,
+        "a region outlives one of its connections"
+    );
+    assert_eq!(read_all(&l2, 0, 4096), pattern(4)[..4096]);
     println!("regions served two connections of one domain; revoked at both");
 }
 
