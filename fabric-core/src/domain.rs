@@ -3,8 +3,9 @@
 //!
 //! The layering follows UCX (`ucp_context` → `ucp_mem_map` → `ucp_ep`) and libfabric
 //! (`fi_domain` → `fi_mr_reg` → endpoints): a domain holds what is per device (the verbs
-//! context and protection domain, the shm announcement fan-out), registrations live in its
-//! [`SharedRegistry`] (ids with generations, reused), and connections come from
+//! context and protection domain, the shm announcement fan-out, the CUDA context and the
+//! IPC exports of cuda-ipc), registrations live in its [`SharedRegistry`] (ids with
+//! generations, reused), and connections come from
 //! [`Domain::listen`] / [`Domain::connect`]. A region is usable on every connection of its
 //! domain; dropping it (once no operation holds a slice of it) deregisters it and revokes
 //! its key at every peer.
@@ -110,6 +111,35 @@ pub(crate) trait DomainBackend: Send + Sync + fmt::Debug {
             what: "GPU memory (DMA-BUF) registration",
         })
     }
+    /// Allocates `len` zeroed bytes of device memory for [`Domain::register`], in domains
+    /// whose memory is on the GPU (cuda-ipc); `None` (the default): host memory through
+    /// [`allocate`](Self::allocate).
+    #[cfg(feature = "cuda-ipc")]
+    fn allocate_device(
+        &self,
+        _len: usize,
+        _access: Access,
+    ) -> Result<Option<Box<dyn crate::region::DeviceBacking>>> {
+        Ok(None)
+    }
+    /// Takes the caller's device allocation for [`Domain::register_device`] (cuda-ipc:
+    /// exports it as an IPC handle when `access` is remote); hands `buf` back on failure.
+    #[cfg(feature = "cuda-ipc")]
+    fn register_device(
+        &self,
+        buf: nvlink_p2p::DeviceBuffer,
+        _access: Access,
+    ) -> std::result::Result<Box<dyn crate::region::DeviceBacking>, (Error, nvlink_p2p::DeviceBuffer)>
+    {
+        Err((
+            Error::Unsupported {
+                transport: self.kind(),
+                what: "registering a CUDA device buffer in place (cuda-ipc domains do; verbs \
+                       takes GPU memory as a DMA-BUF: Domain::register_dmabuf)",
+            },
+            buf,
+        ))
+    }
     /// The backend's kind.
     #[cfg_attr(not(feature = "cuda-ipc"), allow(dead_code))]
     fn kind(&self) -> TransportKind;
@@ -193,14 +223,13 @@ impl Domain {
     /// Opens a domain of backend `kind` (verbs: the device, port and GID of `opts`).
     ///
     /// # Errors
-    /// [`Error::Unavailable`] when the backend cannot run here (or is not built in);
-    /// [`Error::Unsupported`] for a backend whose registrations are per connection
-    /// (cuda-ipc: use [`backend::listen`] / [`backend::connect`]).
+    /// [`Error::Unavailable`] when the backend cannot run here (or is not built in; for
+    /// cuda-ipc: no CUDA driver or GPU, with what to install).
     pub fn open(kind: TransportKind, opts: &Options) -> Result<Domain> {
         let e = backend::entry(kind)?;
         let open = e.open.ok_or(Error::Unsupported {
             transport: kind,
-            what: "domains (its registrations are per connection)",
+            what: "domains",
         })?;
         Ok(Self::with_backend(kind, opts, open(opts)?))
     }
@@ -293,6 +322,21 @@ impl Domain {
     pub fn register(&self, len: usize, access: Access) -> Result<Region> {
         let access = access | Access::LOCAL_WRITE;
         self.inner.backend.admit(Source::Allocated, access)?;
+        #[cfg(feature = "cuda-ipc")]
+        if let Some(device) = self.inner.backend.allocate_device(len, access)? {
+            let mem = Memory::Placeholder(crate::region::anon_map(1)?);
+            let (id, gen) = self.reserve()?;
+            return Ok(self.finish(
+                id,
+                gen,
+                mem,
+                None,
+                Some(device),
+                Registered::default(),
+                len,
+                access,
+            ));
+        }
         let (mem, fd) = self.inner.backend.allocate(len)?;
         let ptr = match &mem {
             Memory::Mapped(m) => m.as_mut_ptr(),
@@ -448,6 +492,71 @@ impl Domain {
     /// Gives back an id whose registration failed (never published, so no peer knows it).
     fn unreserve(&self, id: u32, gen: u32) {
         self.inner.registry.release(id, gen);
+    }
+
+    /// Registers the caller's CUDA device allocation in place (no copy; cuda-ipc domains).
+    /// With remote access it is exported as a legacy IPC handle and announced to the peers
+    /// of every connection of the domain, which map it when they first address it. The
+    /// region owns the buffer: its byte copies ([`Region::write_at`], ...) go through the
+    /// CUDA driver, and dropping the region revokes it at every peer and frees the buffer
+    /// once each peer closed its mapping. ([`Region::into_memory`] does not hand device
+    /// memory back: a peer may still map it.)
+    ///
+    /// [`register`](Self::register) stays the convenient form: on cuda-ipc it allocates
+    /// zeroed device memory.
+    ///
+    /// ```no_run
+    /// use fabric_core::{backend::Options, Access, Domain, TransportKind};
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let domain = Domain::open(TransportKind::CudaIpc, &Options::default())?;
+    /// let gpu = nvlink_p2p::Cuda::init()?.device(0)?;
+    /// let tensor = gpu.alloc(1 << 20)?; // the caller's device allocation
+    /// let region = domain
+    ///     .register_device(tensor, Access::REMOTE_READ)
+    ///     .map_err(|(e, _tensor)| e)?; // on failure the buffer comes back
+    /// let key = region.remote_key(); // for the peers of every connection of `domain`
+    /// # let _ = key;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// The error and `buf`, handed back: [`Error::Unsupported`] on domains that do not
+    /// register device buffers in place (shm, tcp; verbs takes GPU memory as a DMA-BUF,
+    /// [`register_dmabuf`](Self::register_dmabuf)); [`Error::InvalidArgument`] for a buffer
+    /// of another device or context than the domain's (`FABRIC_CUDA_DEVICE`, primary
+    /// context); [`Error::Io`] when the driver refuses the IPC export;
+    /// [`Error::WouldBlock`] with 2^32 - 1 registrations alive.
+    #[cfg(feature = "cuda-ipc")]
+    pub fn register_device(
+        &self,
+        buf: nvlink_p2p::DeviceBuffer,
+        access: Access,
+    ) -> std::result::Result<Region, (Error, nvlink_p2p::DeviceBuffer)> {
+        let access = access | Access::LOCAL_WRITE;
+        let placeholder = match crate::region::anon_map(1) {
+            Ok(m) => m,
+            Err(e) => return Err((e, buf)),
+        };
+        let (id, gen) = match self.reserve() {
+            Ok(r) => r,
+            Err(e) => return Err((e, buf)),
+        };
+        let len = nvlink_p2p::DeviceMemory::len(&buf);
+        let device = self
+            .inner
+            .backend
+            .register_device(buf, access)
+            .inspect_err(|_| self.unreserve(id, gen))?;
+        Ok(self.finish(
+            id,
+            gen,
+            Memory::Placeholder(placeholder),
+            None,
+            Some(device),
+            Registered::default(),
+            len,
+            access,
+        ))
     }
 
     #[allow(clippy::too_many_arguments)]

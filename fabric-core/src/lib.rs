@@ -52,7 +52,10 @@
 //!   `&[u8]` / `&mut [u8]` ([`Region::bytes`], [`Region::bytes_mut`]) while no slice is
 //!   out; remotely writable memory stays copy-only. shm cannot give peers one-sided
 //!   access to caller memory (typed [`Error::Unsupported`] at registration, see
-//!   [`backend::shm`]); [`MemorySupport`] says per memory kind what works.
+//!   [`backend::shm`]); [`MemorySupport`] says per memory kind what works. A cuda-ipc
+//!   domain registers GPU memory: [`Domain::register`] allocates it, and
+//!   `Domain::register_device` takes the caller's `nvlink_p2p::DeviceBuffer` in place
+//!   (see `backend::cuda_ipc`).
 //! * **Cargo features.** `verbs` (the verbs backend and `topology`) and `cuda-ipc` (the
 //!   cuda-ipc backend and GPU memory registration) are on by default; shm and tcp alone
 //!   build with `default-features = false`, without `ibverbs-safe` or `cudarc`.

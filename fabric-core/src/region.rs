@@ -74,7 +74,7 @@ pub(crate) enum Memory {
     },
     /// Device memory: a 1-byte placeholder; every byte access goes through
     /// [`RegionInner::device`].
-    #[cfg_attr(not(feature = "cuda-ipc"), allow(dead_code))]
+    #[cfg_attr(any(fabric_loom, not(feature = "cuda-ipc")), allow(dead_code))]
     Placeholder(MmapRaw),
 }
 
@@ -112,7 +112,7 @@ pub(crate) struct RegionInner {
     pub(crate) id: u32,
     /// Generation of the id (the registry slot's); keys carry it.
     pub(crate) gen: u32,
-    /// The domain (or, for connection-scoped backends, the connection) it belongs to.
+    /// The domain it belongs to.
     pub(crate) owner: u64,
     pub(crate) key: u64,
     pub(crate) access: Access,
@@ -189,7 +189,7 @@ pub(crate) struct Parts {
 
 impl Region {
     pub(crate) fn from_parts(p: Parts) -> Self {
-        debug_assert!(p.mem.len() >= p.len);
+        debug_assert!(p.device.is_some() || p.mem.len() >= p.len);
         Region {
             inner: Arc::new(RegionInner {
                 id: p.id,
@@ -208,42 +208,6 @@ impl Region {
                 mem: p.mem,
             }),
         }
-    }
-
-    /// A region over device memory (backends that register GPU memory call this).
-    #[cfg_attr(any(fabric_loom, not(feature = "cuda-ipc")), allow(dead_code))]
-    pub(crate) fn device(
-        id: u32,
-        owner: u64,
-        transport: TransportKind,
-        access: Access,
-        len: usize,
-        memory: Box<dyn DeviceBacking>,
-    ) -> Result<Self> {
-        let placeholder = MmapRaw::from(
-            memmap2::MmapOptions::new()
-                .len(1)
-                .map_anon()
-                .map_err(|e| Error::io("mmap", e))?,
-        );
-        Ok(Region {
-            inner: Arc::new(RegionInner {
-                id,
-                gen: 0,
-                owner,
-                key: random_u64(),
-                access,
-                transport,
-                len,
-                revoke: None,
-                backing: None,
-                rkey: 0,
-                fd: None,
-                device: Some(memory),
-                lend: Lend::new(),
-                mem: Memory::Placeholder(placeholder),
-            }),
-        })
     }
 
     /// The device memory behind the region, if it is not host memory.

@@ -6,8 +6,9 @@
 
 use arbitrary::{Arbitrary, Unstructured};
 use fabric_core::backend::cuda_ipc::{
-    decode_frame_header, decode_revoke, encode_frame, Announcement, ANNOUNCE_LEN, FRAME_HEADER_LEN,
-    FRAME_KINDS, HELLO_LEN, K_ANNOUNCE, K_HELLO, K_MSG, K_REVOKE, K_REVOKED, REVOKE_LEN,
+    decode_frame_header, decode_revoke, encode_frame, encode_revoke, Announcement, ANNOUNCE_LEN,
+    FRAME_HEADER_LEN, FRAME_KINDS, HELLO_LEN, K_ANNOUNCE, K_HELLO, K_MSG, K_REVOKE, K_REVOKED,
+    REVOKE_LEN,
 };
 use fabric_core::Access;
 use libfuzzer_sys::fuzz_target;
@@ -19,6 +20,7 @@ const MAX_BODY: usize = 1 << 20;
 struct Fields {
     kind: u8,
     region: u32,
+    gen: u32,
     access: u32,
     key: u64,
     raw: [u8; 64],
@@ -62,8 +64,8 @@ fuzz_target!(|data: &[u8]| {
                     }
                 }
                 K_REVOKE | K_REVOKED => {
-                    let region = decode_revoke(body).expect("a 4-byte body decodes");
-                    assert_eq!(&region.to_le_bytes()[..], body);
+                    let (region, gen) = decode_revoke(body).expect("an 8-byte body decodes");
+                    assert_eq!(&encode_revoke(region, gen)[..], body);
                 }
                 _ => {}
             }
@@ -86,6 +88,7 @@ fuzz_target!(|data: &[u8]| {
     };
     let announcement = Announcement {
         region: f.region,
+        gen: f.gen,
         access: access.bits(),
         key: f.key,
         handle: IpcMemHandle::from_parts(f.raw, f.len, f.uuid).with_allocation_id(f.allocation_id),
@@ -96,10 +99,13 @@ fuzz_target!(|data: &[u8]| {
     assert_eq!(Announcement::decode(body), Ok(announcement));
 
     let revoke_kind = if f.kind & 1 == 0 { K_REVOKE } else { K_REVOKED };
-    let frame = encode_frame(revoke_kind, &f.region.to_le_bytes()).unwrap();
+    let body = encode_revoke(f.region, f.gen);
+    let frame = encode_frame(revoke_kind, &body).unwrap();
+    assert_eq!(decode(&frame), Some((revoke_kind, &body[..])));
     assert_eq!(
-        decode(&frame),
-        Some((revoke_kind, &f.region.to_le_bytes()[..]))
+        decode_revoke(&body),
+        Ok((f.region, f.gen)),
+        "a revocation round-trips"
     );
 
     if f.message.len() <= MAX_BODY {

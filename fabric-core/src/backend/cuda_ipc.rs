@@ -1,39 +1,53 @@
 //! `cuda-ipc`: GPU memory between processes on one node, through `nvlink-p2p`.
 //!
+//! * Domain: [`Domain::open`](crate::Domain::open) opens the GPU named by
+//!   `FABRIC_CUDA_DEVICE` (default 0, its primary context). Without a CUDA driver or GPU,
+//!   `probe`, `Domain::open`, `listen` and `connect` return [`Error::Unavailable`] with
+//!   `nvlink-p2p`'s message (what to install).
 //! * Setup: a Unix socket in the abstract namespace (no file system path); both ends check
-//!   the peer's uid (`SO_PEERCRED`) and open the GPU named by `FABRIC_CUDA_DEVICE`
-//!   (default 0). Without a CUDA driver or GPU, `probe`, `listen` and `connect` return
-//!   [`Error::Unavailable`] with `nvlink-p2p`'s message (what to install).
-//! * Memory: [`register`](crate::Transport::register) allocates zeroed GPU memory
-//!   (`cuMemAlloc`, so legacy IPC can export it). A region with remote access is announced
-//!   to the peer on the socket with its 64-byte CUDA IPC handle; the peer opens it once
-//!   (`nvlink-p2p`'s per-process mapping cache).
+//!   the peer's uid (`SO_PEERCRED`).
+//! * Memory: registrations live in the domain's registry (ids with generations, reused) and
+//!   are usable on every connection of the domain.
+//!   [`Domain::register`](crate::Domain::register) allocates zeroed GPU memory (`cuMemAlloc`,
+//!   so legacy IPC can export it); [`Domain::register_device`](crate::Domain::register_device)
+//!   takes the caller's `nvlink_p2p::DeviceBuffer` in place, without a copy. Host memory is
+//!   refused (`Unsupported`): this backend moves GPU memory. A region with remote access is
+//!   exported as a legacy IPC handle and announced, with its id, generation, key and access,
+//!   to the peer of every connection of the domain (a connection made later is told of
+//!   every live one first). The peer opens the handle when it first addresses the region
+//!   (`nvlink-p2p`'s per-process mapping cache), so announcing costs the peer no mapping.
 //!   Host writes into a region (`write_at`) have landed in device memory when they return,
 //!   so a peer's copy that is ordered after them by a message sees them.
+//! * Revocation: dropping a region (once no operation holds it) sends `revoke (id, gen)` to
+//!   every peer it was announced to. From then on the peer's operations with that key
+//!   complete with [`Status::RemoteAccess`] without touching memory; the peer closes its
+//!   mapping once its in-flight copies on it finished and answers `revoked`. The memory is
+//!   freed when every peer answered (an answer is read when its connection is next polled)
+//!   or hung up (its mappings closed with its transport, or the driver unmapped them with
+//!   its process). The driver's documentation makes it
+//!   undefined to free memory a peer still maps, so a connection dropped while its peer has
+//!   not answered waits for the answers for at most the handshake timeout, then leaks what is
+//!   still unanswered rather than free it under the peer. Revocations travel in order with
+//!   messages: a peer that does not post receives for messages queued before a `revoke`
+//!   delays its answer.
 //! * Both ends in one process: the driver cannot open an IPC handle in the process that
 //!   exported it, so the importer uses the exporter's buffer directly (found through a
 //!   process-wide table of this backend's exports, by the handle's allocation id).
 //! * One-sided: write and read are device-to-device copies between a local region and the
-//!   peer's mapped region, queued on one CUDA stream, each completing through a CUDA event;
-//!   the initiator checks the key, the granted access and the mapping's real length. An
-//!   operation on a key whose announcement has not arrived yet waits for it (up to the
-//!   handshake timeout, then [`Status::RemoteAccess`]).
+//!   peer's mapped region, queued on one CUDA stream per connection, each completing through
+//!   a CUDA event; the initiator checks the key's id, generation and value, the granted
+//!   access and the mapping's real length. An operation on a key whose announcement has not
+//!   arrived yet waits for it (up to the handshake timeout, then [`Status::RemoteAccess`]);
+//!   a key of a revoked (or superseded) generation fails at once.
 //! * Access bits are enforced by the initiator only. Legacy CUDA IPC has no read-only
 //!   mapping: a peer that opens a region's handle gets a read-write mapping even when the
 //!   region granted only [`Access::REMOTE_READ`]. This backend's own initiator refuses a
 //!   write to such a region (whatever bits the key claims: it checks the access the owner
 //!   announced), but a peer running other code can write it. Grant remote access only to
 //!   peers you trust with the memory (the uid check keeps out other users).
-//! * Freeing exported memory: the driver's documentation makes it undefined to free memory
-//!   a peer still maps. The exporter keeps every exported buffer until the peer says it
-//!   closed its mapping: a `revoke` frame (sent when the region's memory is dropped, and for
-//!   every export when the transport is dropped) is answered by `revoked` once the peer's
-//!   in-flight copies on it finished and its mapping is closed; a peer that hangs up has
-//!   closed its mappings with its transport, or died (the driver then unmaps them). A peer
-//!   that neither answers nor hangs up within the handshake timeout of a dropped transport
-//!   keeps the memory allocated (it leaks, deliberately) rather than have it freed under it.
-//!   Revocations travel in order with messages: a peer that does not post receives for
-//!   messages queued before a `revoke` delays its answer.
+//! * Bounded state: a peer's regions are tracked by id (ids are reused, so this is the most
+//!   regions the peer had alive at once, plus the last revoked generation per id); a peer
+//!   that names more than 2^20 distinct ids is dropped with a protocol error.
 //! * Two-sided: messages travel over the Unix socket, staged through host memory
 //!   (a control path: bulk GPU data should use one-sided writes). A send waits for the
 //!   one-sided operations posted before it, so everything takes effect in post order.
@@ -43,19 +57,19 @@
 //! * Peer death: the socket hangs up; everything in flight completes with
 //!   [`Status::PeerGone`].
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::io::{self, Read, Write};
 use std::os::fd::{AsFd, BorrowedFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use nvlink_p2p as nv;
 use nvlink_p2p::DeviceMemory;
 
-use super::{next_conn_id, BackendEntry, Connector, Endpoint, Hal, Listener, Options};
+use super::{BackendEntry, Connector, Endpoint, Hal, Listener};
+use crate::domain::{Domain, DomainBackend, MemorySupport, Source};
 use crate::error::{DecodeError, Error, Result};
 use crate::region::{Access, DeviceBacking, Region};
 use crate::sys;
@@ -67,10 +81,10 @@ use crate::transport::{
 /// The registry entry.
 pub static ENTRY: BackendEntry = BackendEntry {
     kind: TransportKind::CudaIpc,
-    open: None,
+    open: Some(|_| Ok(Box::new(CudaIpcDomain::open()?))),
     probe,
-    listen: |o| Ok(Box::new(CudaIpcListener::bind(o)?)),
-    connect: |a, o| Ok(Box::new(CudaIpcConnector::connect(a, o)?)),
+    listen: |o| Domain::open(TransportKind::CudaIpc, o)?.listen(),
+    connect: |a, o| Domain::open(TransportKind::CudaIpc, o)?.connect(a),
 };
 
 /// Length of a frame header: kind, three zero bytes, `u32` body length.
@@ -81,20 +95,22 @@ pub const K_HELLO: u8 = 1;
 pub const K_ANNOUNCE: u8 = 2;
 /// Frame kind: a two-sided message (body: the message).
 pub const K_MSG: u8 = 3;
-/// Frame kind: the exporter asks the peer to close its mapping of a region (body: region id).
+/// Frame kind: the exporter asks the peer to close its mapping of a region (body: region
+/// id and generation, [`encode_revoke`]).
 pub const K_REVOKE: u8 = 4;
-/// Frame kind: the peer closed its mapping of a region (body: region id).
+/// Frame kind: the peer closed its mapping of a region (body: region id and generation).
 pub const K_REVOKED: u8 = 5;
-/// Length of a revoke / revoked body.
-pub const REVOKE_LEN: usize = 4;
+/// Length of a revoke / revoked body: id and generation.
+pub const REVOKE_LEN: usize = 8;
 /// Length of a hello body.
 pub const HELLO_LEN: usize = 32;
 const HELLO_MAGIC: u64 = 0x3130_4144_5543_4246; // "FBCUDA01"
-/// 2: revoke / revoked frames; the IPC handle carries the exporter's allocation id.
-const HELLO_VERSION: u32 = 2;
+/// 3: regions of a domain (ids reused): announcements and revocations carry the generation.
+const HELLO_VERSION: u32 = 3;
 /// Length of an announcement body.
-pub const ANNOUNCE_LEN: usize = 16 + nv::IpcMemHandle::ENCODED_LEN;
-const MAX_REMOTE_REGIONS: usize = 65_536;
+pub const ANNOUNCE_LEN: usize = 24 + nv::IpcMemHandle::ENCODED_LEN;
+/// Most distinct region ids of one peer tracked at once (live or last revoked).
+const MAX_REMOTE_IDS: usize = 1 << 20;
 /// Sends stop being taken while this many bytes wait for the socket (backpressure).
 const OUTBOX_LIMIT: usize = 64 << 20;
 
@@ -110,6 +126,11 @@ fn cuda(op: &'static str) -> impl Fn(nv::Error) -> Error {
         op,
         source: io::Error::other(e),
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every update under these locks is a single step: a poisoned lock is consistent.
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The driver and the ordinal of the GPU this process uses: `FABRIC_CUDA_DEVICE`
@@ -129,12 +150,6 @@ fn driver() -> Result<(nv::Cuda, usize)> {
         }));
     }
     Ok((cuda, ordinal))
-}
-
-/// Opens (the primary context of) the GPU this process uses.
-fn open_device() -> Result<nv::Device> {
-    let (cuda, ordinal) = driver()?;
-    cuda.device(ordinal).map_err(unavailable)
 }
 
 fn probe() -> Result<()> {
@@ -200,8 +215,10 @@ pub fn decode_frame_header(
 /// A peer's region, as announced.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Announcement {
-    /// Region id on the peer's connection.
+    /// Region id in the peer's domain.
     pub region: u32,
+    /// Generation of the id (a key of another generation is refused).
+    pub gen: u32,
     /// [`Access`] bits granted.
     pub access: u32,
     /// The region's capability key.
@@ -232,17 +249,28 @@ pub fn encode_frame(kind: u8, body: &[u8]) -> std::result::Result<Vec<u8>, Decod
 /// message, revoke, revoked.
 pub const FRAME_KINDS: [u8; 5] = [K_HELLO, K_ANNOUNCE, K_MSG, K_REVOKE, K_REVOKED];
 
-/// Decodes a revoke / revoked body: the region id.
+/// Encodes a revoke / revoked body: region id and generation.
+pub fn encode_revoke(region: u32, gen: u32) -> [u8; REVOKE_LEN] {
+    let mut b = [0u8; REVOKE_LEN];
+    b[0..4].copy_from_slice(&region.to_le_bytes());
+    b[4..8].copy_from_slice(&gen.to_le_bytes());
+    b
+}
+
+/// Decodes a revoke / revoked body: `(region id, generation)`.
 ///
 /// # Errors
-/// [`DecodeError::Truncated`] for a body that is not exactly 4 bytes.
-pub fn decode_revoke(b: &[u8]) -> std::result::Result<u32, DecodeError> {
+/// [`DecodeError::Truncated`] for a body that is not exactly [`REVOKE_LEN`] bytes.
+pub fn decode_revoke(b: &[u8]) -> std::result::Result<(u32, u32), DecodeError> {
     let b: [u8; REVOKE_LEN] = b.try_into().map_err(|_| DecodeError::Truncated {
         what: "cuda-ipc revoke",
         need: REVOKE_LEN,
         got: b.len(),
     })?;
-    Ok(u32::from_le_bytes(b))
+    Ok((
+        u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+        u32::from_le_bytes([b[4], b[5], b[6], b[7]]),
+    ))
 }
 
 impl Announcement {
@@ -250,16 +278,19 @@ impl Announcement {
     pub fn encode(&self) -> [u8; ANNOUNCE_LEN] {
         let mut b = [0u8; ANNOUNCE_LEN];
         b[0..4].copy_from_slice(&self.region.to_le_bytes());
-        b[4..8].copy_from_slice(&self.access.to_le_bytes());
-        b[8..16].copy_from_slice(&self.key.to_le_bytes());
-        b[16..].copy_from_slice(&self.handle.encode());
+        b[4..8].copy_from_slice(&self.gen.to_le_bytes());
+        b[8..12].copy_from_slice(&self.access.to_le_bytes());
+        // 12..16 reserved (zero)
+        b[16..24].copy_from_slice(&self.key.to_le_bytes());
+        b[24..].copy_from_slice(&self.handle.encode());
         b
     }
 
     /// Decodes an announcement body.
     ///
     /// # Errors
-    /// [`DecodeError`] for a wrong length, unknown access bits or a malformed IPC handle.
+    /// [`DecodeError`] for a wrong length, unknown access bits, non-zero reserved bytes or a
+    /// malformed IPC handle.
     pub fn decode(b: &[u8]) -> std::result::Result<Self, DecodeError> {
         const W: &str = "cuda-ipc announcement";
         if b.len() != ANNOUNCE_LEN {
@@ -269,21 +300,31 @@ impl Announcement {
                 got: b.len(),
             });
         }
-        let access = u32::from_le_bytes(b[4..8].try_into().expect("4 bytes"));
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        let access = u32_at(8);
         if Access::from_bits(access).is_none() {
             return Err(DecodeError::Invalid {
                 what: "cuda-ipc announcement access bits",
                 value: access as u64,
             });
         }
-        let handle = nv::IpcMemHandle::decode(&b[16..]).map_err(|_| DecodeError::Invalid {
+        if u32_at(12) != 0 {
+            return Err(DecodeError::Invalid {
+                what: "cuda-ipc announcement reserved bytes",
+                value: u32_at(12) as u64,
+            });
+        }
+        let handle = nv::IpcMemHandle::decode(&b[24..]).map_err(|_| DecodeError::Invalid {
             what: "cuda-ipc announcement IPC handle",
             value: 0,
         })?;
+        let mut key = [0u8; 8];
+        key.copy_from_slice(&b[16..24]);
         Ok(Announcement {
-            region: u32::from_le_bytes(b[0..4].try_into().expect("4 bytes")),
+            region: u32_at(0),
+            gen: u32_at(4),
             access,
-            key: u64::from_le_bytes(b[8..16].try_into().expect("8 bytes")),
+            key: u64::from_le_bytes(key),
             handle,
         })
     }
@@ -318,34 +359,240 @@ fn check_hello(b: &[u8]) -> Result<()> {
     Ok(())
 }
 
-/// GPU memory behind a cuda-ipc [`Region`]. When it drops (the region is gone), an exported
-/// one tells its connection, which then revokes the peer's mapping before freeing it.
+// ---- the domain: the GPU, the exported regions, the connections that hear of them ----
+
+/// A cuda-ipc domain: the GPU (its primary context), the regions exported to peers, and the
+/// connections they are announced to.
 #[derive(Debug)]
-struct GpuMemory(Arc<nv::DeviceBuffer>, Option<(u32, Arc<DropNotices>)>);
+pub(crate) struct CudaIpcDomain {
+    device: nv::Device,
+    state: Mutex<DomainState>,
+}
+
+/// Exported regions and the connections that hear of them (one lock, so a new connection's
+/// snapshot and later announcements never miss or repeat one).
+#[derive(Debug, Default)]
+struct DomainState {
+    exports: HashMap<u32, Arc<Export>>,
+    conns: Vec<Weak<ConnShared>>,
+}
+
+/// A region exported to peers.
+#[derive(Debug)]
+struct Export {
+    gen: u32,
+    announcement: [u8; ANNOUNCE_LEN],
+    buf: Arc<nv::DeviceBuffer>,
+}
+
+impl CudaIpcDomain {
+    fn open() -> Result<Self> {
+        let (cuda, ordinal) = driver()?;
+        Ok(CudaIpcDomain {
+            device: cuda.device(ordinal).map_err(unavailable)?,
+            state: Mutex::new(DomainState::default()),
+        })
+    }
+
+    fn of(d: &Domain) -> Result<&CudaIpcDomain> {
+        d.backend()
+            .as_any()
+            .downcast_ref::<CudaIpcDomain>()
+            .ok_or_else(|| Error::InvalidArgument("not a cuda-ipc domain".into()))
+    }
+
+    /// Registers a new connection, told of every live export first.
+    fn attach(&self, c: &Arc<ConnShared>) {
+        let mut st = lock(&self.state);
+        for (&id, e) in &st.exports {
+            c.announce(id, e);
+        }
+        st.conns.retain(|w| w.strong_count() > 0);
+        st.conns.push(Arc::downgrade(c));
+    }
+
+    /// Makes the region's device memory: exported (IPC handle, and this process's table for
+    /// a same-process importer) when `access` is remote. Hands `buf` back on failure.
+    fn backing(
+        &self,
+        buf: nv::DeviceBuffer,
+        access: Access,
+    ) -> std::result::Result<GpuMemory, (Error, nv::DeviceBuffer)> {
+        let handle = if access.is_remote() {
+            match buf.ipc_handle() {
+                Ok(h) => Some(h),
+                Err(e) => return Err((cuda("cuIpcGetMemHandle")(e), buf)),
+            }
+        } else {
+            None
+        };
+        let buf = Arc::new(buf);
+        if let Some(h) = &handle {
+            lock(local_exports()).insert(h.allocation_id(), Arc::downgrade(&buf));
+        }
+        Ok(GpuMemory { buf, handle })
+    }
+}
+
+impl DomainBackend for CudaIpcDomain {
+    fn admit(&self, source: Source, _access: Access) -> Result<()> {
+        if source == Source::Caller {
+            return Err(Error::Unsupported {
+                transport: TransportKind::CudaIpc,
+                what: "host memory (cuda-ipc moves GPU memory: register an \
+                       nvlink_p2p::DeviceBuffer with Domain::register_device, or let \
+                       Domain::register allocate one)",
+            });
+        }
+        Ok(())
+    }
+
+    fn allocate_device(
+        &self,
+        len: usize,
+        access: Access,
+    ) -> Result<Option<Box<dyn DeviceBacking>>> {
+        let bytes = len.max(1);
+        let buf = self.device.alloc(bytes).map_err(cuda("cuMemAlloc"))?;
+        nv::fill(&buf, 0, bytes, 0).map_err(cuda("cuMemsetD8"))?;
+        let g = self.backing(buf, access).map_err(|(e, _)| e)?;
+        Ok(Some(Box::new(g)))
+    }
+
+    fn register_device(
+        &self,
+        buf: nv::DeviceBuffer,
+        access: Access,
+    ) -> std::result::Result<Box<dyn DeviceBacking>, (Error, nv::DeviceBuffer)> {
+        if !buf.device().same_context(&self.device) {
+            return Err((
+                Error::InvalidArgument(format!(
+                    "a device buffer of GPU {} (or another context) on a cuda-ipc domain of \
+                     GPU {} (its primary context)",
+                    buf.device().ordinal(),
+                    self.device.ordinal()
+                )),
+                buf,
+            ));
+        }
+        Ok(Box::new(self.backing(buf, access)?))
+    }
+
+    fn kind(&self) -> TransportKind {
+        TransportKind::CudaIpc
+    }
+
+    fn published(&self, r: &Region) {
+        let Some(g) = gpu_memory(r) else { return };
+        let Some(handle) = &g.handle else { return };
+        let a = Announcement {
+            region: r.id(),
+            gen: r.generation(),
+            access: r.access().bits(),
+            key: r.inner.key,
+            handle: *handle,
+        };
+        let e = Arc::new(Export {
+            gen: r.generation(),
+            announcement: a.encode(),
+            buf: g.buf.clone(),
+        });
+        let mut st = lock(&self.state);
+        st.conns.retain(|w| w.strong_count() > 0);
+        for c in st.conns.iter().filter_map(Weak::upgrade) {
+            c.announce(r.id(), &e);
+        }
+        st.exports.insert(r.id(), e);
+    }
+
+    fn revoked(&self, id: u32, gen: u32) {
+        let mut st = lock(&self.state);
+        if st.exports.get(&id).is_some_and(|e| e.gen == gen) {
+            st.exports.remove(&id);
+        }
+        // Every connection that announced `(id, gen)` revokes it (even when a newer
+        // generation of the id was published meanwhile).
+        st.conns.retain(|w| w.strong_count() > 0);
+        for c in st.conns.iter().filter_map(Weak::upgrade) {
+            c.revoke(id, gen);
+        }
+    }
+
+    fn memory(&self) -> MemorySupport {
+        MemorySupport {
+            allocated: MemoryKinds::CUDA_DEVICE,
+            allocated_remote: MemoryKinds::CUDA_DEVICE,
+            caller: MemoryKinds::CUDA_DEVICE,
+            caller_remote: MemoryKinds::CUDA_DEVICE,
+        }
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
+    fn listen(&self, d: &Domain) -> Result<Box<dyn Listener>> {
+        Ok(Box::new(CudaIpcListener::bind(d)?))
+    }
+
+    fn connect(&self, d: &Domain, address: &str) -> Result<Box<dyn Connector>> {
+        Ok(Box::new(CudaIpcConnector::connect(address, d)?))
+    }
+}
+
+/// GPU memory behind a cuda-ipc [`Region`]: the buffer, and its IPC handle when exported.
+/// Connections that announced it hold their own reference until their peer closed its
+/// mapping, so the memory outlives the region as long as a peer may map it.
+#[derive(Debug)]
+struct GpuMemory {
+    buf: Arc<nv::DeviceBuffer>,
+    handle: Option<nv::IpcMemHandle>,
+}
 
 impl Drop for GpuMemory {
     fn drop(&mut self) {
-        if let Some((region, notices)) = &self.1 {
-            notices
-                .regions
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push(*region);
-            notices.any.store(true, Ordering::Release);
+        // This process's table forgets the export (a same-process importer that has not
+        // mapped it yet finds it gone: the region was revoked).
+        if let Some(h) = &self.handle {
+            let mut e = lock(local_exports());
+            if let Some(w) = e.get(&h.allocation_id()) {
+                if std::ptr::eq(w.as_ptr(), Arc::as_ptr(&self.buf)) {
+                    e.remove(&h.allocation_id());
+                }
+            }
         }
     }
 }
 
-/// Regions of one connection whose memory was dropped (checked with one atomic load per
-/// progress call).
-#[derive(Debug, Default)]
-struct DropNotices {
-    any: AtomicBool,
-    regions: Mutex<Vec<u32>>,
+fn gpu_memory(r: &Region) -> Option<&GpuMemory> {
+    r.device_backing()?.as_any().downcast_ref::<GpuMemory>()
+}
+
+fn gpu_buffer(r: &Region) -> Option<Arc<nv::DeviceBuffer>> {
+    gpu_memory(r).map(|g| g.buf.clone())
+}
+
+impl DeviceBacking for GpuMemory {
+    fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
+        self.buf.write(offset, src).map_err(cuda("cuMemcpyHtoD"))
+    }
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.buf.read(offset, dst).map_err(cuda("cuMemcpyDtoH"))
+    }
+    fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<()> {
+        nv::fill(&*self.buf, offset, len, byte).map_err(cuda("cuMemsetD8"))
+    }
+    fn addr(&self) -> u64 {
+        self.buf.device_ptr()
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
 }
 
 /// This process's exported buffers by allocation id, for an importer in the same process
-/// (where the driver cannot open the handle). Weak: the exporter owns the memory.
+/// (where the driver cannot open the handle). Weak: the exporter owns the memory; an entry
+/// goes with its region's memory.
 fn local_exports() -> &'static Mutex<HashMap<u64, Weak<nv::DeviceBuffer>>> {
     static E: OnceLock<Mutex<HashMap<u64, Weak<nv::DeviceBuffer>>>> = OnceLock::new();
     E.get_or_init(|| Mutex::new(HashMap::new()))
@@ -379,9 +626,7 @@ impl Mapped {
     fn open(handle: &nv::IpcMemHandle, device: &nv::Device) -> std::result::Result<Self, String> {
         match handle.open(device) {
             Ok(m) => Ok(Mapped::Ipc(Arc::new(m))),
-            Err(nv::Error::IpcHandleFromThisProcess) => local_exports()
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
+            Err(nv::Error::IpcHandleFromThisProcess) => lock(local_exports())
                 .get(&handle.allocation_id())
                 .and_then(Weak::upgrade)
                 .map(Mapped::Local)
@@ -409,49 +654,23 @@ impl Mapped {
     }
 }
 
-impl DeviceBacking for GpuMemory {
-    fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
-        self.0.write(offset, src).map_err(cuda("cuMemcpyHtoD"))
-    }
-    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
-        self.0.read(offset, dst).map_err(cuda("cuMemcpyDtoH"))
-    }
-    fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<()> {
-        nv::fill(&*self.0, offset, len, byte).map_err(cuda("cuMemsetD8"))
-    }
-    fn addr(&self) -> u64 {
-        self.0.device_ptr()
-    }
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
-}
-
-fn gpu_buffer(r: &Region) -> Option<Arc<nv::DeviceBuffer>> {
-    r.device_backing()?
-        .as_any()
-        .downcast_ref::<GpuMemory>()
-        .map(|g| g.0.clone())
-}
-
-/// A cuda-ipc listener (Unix socket in the abstract namespace).
+/// A cuda-ipc listener (Unix socket in the abstract namespace); its connections belong to
+/// its domain.
 #[derive(Debug)]
 pub struct CudaIpcListener {
     sock: UnixListener,
     address: String,
-    opts: Options,
-    /// Opened at the first connection (a listener that is never used costs no context).
-    device: Option<nv::Device>,
+    domain: Domain,
 }
 
 impl CudaIpcListener {
-    /// Checks for the driver and binds a fresh abstract-namespace address.
+    /// Binds a fresh abstract-namespace address for `domain` (a cuda-ipc domain).
     ///
     /// # Errors
-    /// [`Error::Unavailable`] without a CUDA driver or GPU; [`Error::Io`] when the socket
-    /// cannot be bound.
-    pub fn bind(opts: &Options) -> Result<Self> {
-        driver()?;
+    /// [`Error::InvalidArgument`] for a domain of another backend; [`Error::Io`] when the
+    /// socket cannot be bound.
+    pub fn bind(domain: &Domain) -> Result<Self> {
+        CudaIpcDomain::of(domain)?;
         let mut rnd = [0u8; 8];
         sys::random_bytes(&mut rnd)?;
         let name = format!(
@@ -467,8 +686,7 @@ impl CudaIpcListener {
         Ok(CudaIpcListener {
             sock,
             address: format!("cuda-ipc:@{name}"),
-            opts: opts.clone(),
-            device: None,
+            domain: domain.clone(),
         })
     }
 }
@@ -484,12 +702,8 @@ impl Listener for CudaIpcListener {
         loop {
             match self.sock.accept() {
                 Ok((s, _)) => {
-                    let device = match &self.device {
-                        Some(d) => d.clone(),
-                        None => self.device.insert(open_device()?).clone(),
-                    };
                     // A stranger (other uid) or a failing setup is dropped; keep serving.
-                    if let Ok(t) = finish(s, &device, &self.opts) {
+                    if let Ok(t) = finish(s, &self.domain) {
                         return Ok(Some(t));
                     }
                 }
@@ -505,18 +719,17 @@ impl Listener for CudaIpcListener {
 #[derive(Debug)]
 pub struct CudaIpcConnector {
     stream: Option<UnixStream>,
-    opts: Options,
-    device: nv::Device,
+    domain: Domain,
 }
 
 impl CudaIpcConnector {
-    /// Opens the GPU and connects.
+    /// Connects; the connection belongs to `domain` (a cuda-ipc domain).
     ///
     /// # Errors
-    /// [`Error::Unavailable`] without a CUDA driver or GPU; [`Error::InvalidArgument`] for a
-    /// malformed address; [`Error::Io`] when the listener is not there.
-    pub fn connect(address: &str, opts: &Options) -> Result<Self> {
-        let device = open_device()?;
+    /// [`Error::InvalidArgument`] for a malformed address or a domain of another backend;
+    /// [`Error::Io`] when the listener is not there.
+    pub fn connect(address: &str, domain: &Domain) -> Result<Self> {
+        CudaIpcDomain::of(domain)?;
         let name = address.strip_prefix('@').ok_or_else(|| {
             Error::InvalidArgument(format!("cuda-ipc address {address:?} must start with '@'"))
         })?;
@@ -525,8 +738,7 @@ impl CudaIpcConnector {
         let stream = UnixStream::connect_addr(&addr).map_err(|e| Error::io("connect(unix)", e))?;
         Ok(CudaIpcConnector {
             stream: Some(stream),
-            opts: opts.clone(),
-            device,
+            domain: domain.clone(),
         })
     }
 }
@@ -537,19 +749,20 @@ impl Connector for CudaIpcConnector {
             .stream
             .take()
             .ok_or_else(|| Error::InvalidArgument("connector already finished".into()))?;
-        finish(stream, &self.device, &self.opts).map(Some)
+        finish(stream, &self.domain).map(Some)
     }
 }
 
-fn finish(sock: UnixStream, device: &nv::Device, opts: &Options) -> Result<Box<dyn Transport>> {
+fn finish(sock: UnixStream, domain: &Domain) -> Result<Box<dyn Transport>> {
+    let d = CudaIpcDomain::of(domain)?;
+    let opts = domain.options();
     sock.set_nonblocking(true)
         .map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
     check_peer(&sock)?;
     let same_process = nv::fd_passing::peer_credentials(&sock)
         .map(|c| c.pid == std::process::id() as i32)
         .unwrap_or(false);
-    let stream = device.new_stream().map_err(unavailable)?;
-    let conn = next_conn_id();
+    let stream = d.device.new_stream().map_err(unavailable)?;
     let max_message = opts.max_message.min(u32::MAX as usize);
     let caps = Capabilities {
         ordering: MessageOrdering::InOrder,
@@ -560,66 +773,290 @@ fn finish(sock: UnixStream, device: &nv::Device, opts: &Options) -> Result<Box<d
         inline_size: 0,
         memory_kinds: MemoryKinds::CUDA_DEVICE,
     };
-    let mut hal = CudaIpcHal {
-        conn,
-        device: device.clone(),
-        stream,
+    let shared = Arc::new(ConnShared {
         sock,
-        outbox: Vec::new(),
-        out_pos: 0,
+        out: Mutex::new(Out {
+            same_process,
+            ..Out::default()
+        }),
+    });
+    {
+        let mut out = lock(&shared.out);
+        out.push_frame(K_HELLO, &hello(&d.device)?);
+        out.flush(&shared.sock)?;
+    }
+    // After the hello: the peer hears of every live export, then of each new one.
+    d.attach(&shared);
+    let hal = CudaIpcHal {
+        device: d.device.clone(),
+        stream,
+        shared,
         inbox: Vec::new(),
+        chunk: vec![0u8; 64 * 1024].into_boxed_slice(),
         hello_seen: false,
-        remote: HashMap::new(),
-        revoked: HashSet::new(),
-        closing: Vec::new(),
-        exports: HashMap::new(),
-        notices: Arc::new(DropNotices::default()),
-        same_process,
-        peer_gone: false,
+        remote: RemoteTable::default(),
+        answers: Vec::new(),
         copies: VecDeque::new(),
         blocked_since: None,
         wait_limit: opts.handshake_timeout,
         max_message,
     };
-    hal.push_frame(K_HELLO, &hello(device)?);
-    hal.flush()?;
-    Ok(Box::new(Endpoint::new(
-        Tracker::new(conn, TransportKind::CudaIpc, caps),
+    Ok(Box::new(Endpoint::in_domain(
+        domain.clone(),
+        Tracker::new(domain.id(), TransportKind::CudaIpc, caps),
         hal,
     )))
 }
 
+/// The half of a connection its domain reaches (from any thread): the socket's sending
+/// side and the exports its peer was told of.
 #[derive(Debug)]
-struct RemoteRegion {
+struct ConnShared {
+    sock: UnixStream,
+    out: Mutex<Out>,
+}
+
+/// Frames waiting for the socket, and this connection's exports.
+#[derive(Debug, Default)]
+struct Out {
+    outbox: Vec<u8>,
+    out_pos: usize,
+    /// Buffers announced to the peer, by `(id, gen)`, kept until the peer closed its
+    /// mapping (`revoked`) or left.
+    exports: HashMap<(u32, u32), Arc<nv::DeviceBuffer>>,
+    /// The transport is being dropped: its exports are revoked by the drop, nothing new is
+    /// announced.
+    closed: bool,
+    /// The socket hung up: the peer's mappings are gone.
+    peer_gone: bool,
+    /// The peer is this process (it maps our buffers as `Mapped::Local`, which keeps them).
+    same_process: bool,
+}
+
+impl Out {
+    fn push_frame(&mut self, kind: u8, body: &[u8]) {
+        self.outbox.push(kind);
+        self.outbox.extend_from_slice(&[0, 0, 0]);
+        self.outbox
+            .extend_from_slice(&(body.len() as u32).to_le_bytes());
+        self.outbox.extend_from_slice(body);
+    }
+
+    fn pending(&self) -> usize {
+        self.outbox.len() - self.out_pos
+    }
+
+    /// Writes as much of the outbox as the socket takes.
+    fn flush(&mut self, sock: &UnixStream) -> Result<()> {
+        while self.out_pos < self.outbox.len() {
+            match (&*sock).write(&self.outbox[self.out_pos..]) {
+                Ok(0) => return Err(Error::Disconnected("cuda-ipc socket closed".into())),
+                Ok(n) => self.out_pos += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(Error::Disconnected(format!("cuda-ipc peer: {e}"))),
+            }
+        }
+        if self.out_pos == self.outbox.len() {
+            self.outbox.clear();
+            self.out_pos = 0;
+        }
+        Ok(())
+    }
+
+    /// The peer closed its mapping of `(id, gen)` (or never opened it): our reference goes.
+    fn release(&mut self, id: u32, gen: u32) {
+        self.exports.remove(&(id, gen));
+    }
+
+    /// The peer's mappings are gone with it: every export can be freed.
+    fn peer_left(&mut self) {
+        self.peer_gone = true;
+        self.exports.clear();
+    }
+}
+
+impl ConnShared {
+    /// Tells the peer of an export (the domain calls this under its lock).
+    fn announce(&self, id: u32, e: &Export) {
+        let mut out = lock(&self.out);
+        if out.closed || out.peer_gone {
+            return;
+        }
+        out.exports.insert((id, e.gen), e.buf.clone());
+        out.push_frame(K_ANNOUNCE, &e.announcement);
+        // Errors (a peer gone) surface in the connection's own progress.
+        let _ = out.flush(&self.sock);
+    }
+
+    /// Revokes an export at the peer (the domain calls this under its lock).
+    fn revoke(&self, id: u32, gen: u32) {
+        let mut out = lock(&self.out);
+        if out.closed || !out.exports.contains_key(&(id, gen)) {
+            return;
+        }
+        if out.peer_gone {
+            // Its mappings went with it: free now.
+            out.release(id, gen);
+            return;
+        }
+        if out.same_process {
+            // Its "mapping" is the buffer itself (it holds its own reference): ours can go
+            // now. The peer still has to hear of the revocation.
+            out.release(id, gen);
+        }
+        out.push_frame(K_REVOKE, &encode_revoke(id, gen));
+        let _ = out.flush(&self.sock);
+    }
+}
+
+#[derive(Debug)]
+struct RemoteRegion<M> {
+    gen: u32,
     key: u64,
     access: Access,
-    /// The opened mapping, or why it could not be opened.
-    mapping: std::result::Result<Mapped, String>,
+    handle: nv::IpcMemHandle,
+    /// Opened at the first operation: the mapping, or why it could not be opened.
+    mapping: Option<std::result::Result<M, String>>,
+}
+
+/// Whether `a` is an older generation than `b` (or the same): serial-number order.
+fn not_newer(a: u32, b: u32) -> bool {
+    (b.wrapping_sub(a) as i32) >= 0
+}
+
+/// Where a key stands on this side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum KeyState {
+    /// Announced with this generation.
+    Live,
+    /// Revoked, or superseded by a newer generation.
+    Stale,
+    /// Not announced yet.
+    Unknown,
+}
+
+/// The peer's regions as this side knows them, with no I/O (`M`: an opened mapping): live
+/// announcements by id, the newest revoked generation per id, and revoked mappings that
+/// wait for their in-flight copies. Revocations to answer (`revoked (id, gen)`) are pushed
+/// to `answers`.
+#[derive(Debug)]
+struct RemoteTable<M> {
+    live: HashMap<u32, RemoteRegion<M>>,
+    /// The newest revoked (or superseded) generation per id: keys up to it fail at once.
+    retired: HashMap<u32, u32>,
+    closing: Vec<(u32, u32, M)>,
+    /// Most distinct ids tracked ([`MAX_REMOTE_IDS`]).
+    max_ids: usize,
+}
+
+impl<M> Default for RemoteTable<M> {
+    fn default() -> Self {
+        RemoteTable {
+            live: HashMap::new(),
+            retired: HashMap::new(),
+            closing: Vec::new(),
+            max_ids: MAX_REMOTE_IDS,
+        }
+    }
+}
+
+impl<M> RemoteTable<M> {
+    fn retire(&mut self, id: u32, gen: u32) {
+        let newest = self.retired.entry(id).or_insert(gen);
+        if not_newer(*newest, gen) {
+            *newest = gen;
+        }
+    }
+
+    /// The peer announced a region. A newer generation of a live id supersedes it (the
+    /// old one's revocation may come later: the id was reused meanwhile).
+    ///
+    /// # Errors
+    /// [`Error::Protocol`] when the peer names more ids than the table tracks.
+    fn announce(&mut self, a: Announcement, answers: &mut Vec<(u32, u32)>) -> Result<()> {
+        let known = self.live.contains_key(&a.region) || self.retired.contains_key(&a.region);
+        if !known && self.live.len() + self.retired.len() >= self.max_ids {
+            return Err(Error::Protocol(format!(
+                "cuda-ipc: the peer named more than {} region ids",
+                self.max_ids
+            )));
+        }
+        if let Some(old) = self.live.get(&a.region).map(|r| r.gen) {
+            self.revoke(a.region, old, answers);
+        }
+        self.live.insert(
+            a.region,
+            RemoteRegion {
+                gen: a.gen,
+                key: a.key,
+                access: Access::from_bits_truncate(a.access),
+                handle: a.handle,
+                mapping: None,
+            },
+        );
+        Ok(())
+    }
+
+    /// The peer revoked `(id, gen)`: keys of it fail from now on; its mapping closes once
+    /// no copy uses it (then it is answered), or is answered now when it was never opened.
+    fn revoke(&mut self, id: u32, gen: u32, answers: &mut Vec<(u32, u32)>) {
+        self.retire(id, gen);
+        if self.live.get(&id).is_some_and(|r| r.gen == gen) {
+            let r = self.live.remove(&id).expect("checked above");
+            match r.mapping {
+                Some(Ok(m)) => self.closing.push((id, gen, m)),
+                _ => answers.push((id, gen)),
+            }
+        } else if !self.closing.iter().any(|c| c.0 == id && c.1 == gen) {
+            // Never announced, superseded and closed, or answered before: answer (again).
+            answers.push((id, gen));
+        }
+    }
+
+    fn key_state(&self, id: u32, gen: u32) -> KeyState {
+        if let Some(r) = self.live.get(&id) {
+            if r.gen == gen {
+                return KeyState::Live;
+            }
+            if not_newer(gen, r.gen) {
+                return KeyState::Stale;
+            }
+        }
+        match self.retired.get(&id) {
+            Some(&newest) if not_newer(gen, newest) => KeyState::Stale,
+            _ => KeyState::Unknown,
+        }
+    }
+
+    /// Closes revoked mappings that `unused` says no copy holds, and answers them.
+    fn close_unused(&mut self, unused: impl Fn(&M) -> bool, answers: &mut Vec<(u32, u32)>) {
+        let mut i = 0;
+        while i < self.closing.len() {
+            if unused(&self.closing[i].2) {
+                let (id, gen, mapping) = self.closing.swap_remove(i);
+                drop(mapping);
+                answers.push((id, gen));
+            } else {
+                i += 1;
+            }
+        }
+    }
 }
 
 #[derive(Debug)]
 struct CudaIpcHal {
-    conn: u64,
     device: nv::Device,
     stream: nv::Stream,
-    sock: UnixStream,
-    outbox: Vec<u8>,
-    out_pos: usize,
+    shared: Arc<ConnShared>,
     inbox: Vec<u8>,
+    /// Where socket reads land (allocated once: no 64 KiB clearing per poll).
+    chunk: Box<[u8]>,
     hello_seen: bool,
-    remote: HashMap<u32, RemoteRegion>,
-    /// Peer regions it revoked: operations on them fail at once.
-    revoked: HashSet<u32>,
-    /// Revoked peer mappings waiting for their in-flight copies before they close.
-    closing: Vec<(u32, Mapped)>,
-    /// Our exported buffers, kept until the peer closed its mapping (`revoked`) or left.
-    exports: HashMap<u32, Arc<nv::DeviceBuffer>>,
-    /// Exported regions whose memory the user dropped.
-    notices: Arc<DropNotices>,
-    /// The peer is this process (it maps our buffers as `Mapped::Local`, which keeps them).
-    same_process: bool,
-    /// The socket hung up: the peer's mappings are gone.
-    peer_gone: bool,
+    /// The peer's regions.
+    remote: RemoteTable<Mapped>,
+    /// Revocations to answer (scratch, kept for its capacity).
+    answers: Vec<(u32, u32)>,
     copies: VecDeque<(Token, nv::PendingCopy, usize)>,
     blocked_since: Option<Instant>,
     wait_limit: Duration,
@@ -634,34 +1071,31 @@ enum Parsed {
 }
 
 impl CudaIpcHal {
-    fn push_frame(&mut self, kind: u8, body: &[u8]) {
-        self.outbox.push(kind);
-        self.outbox.extend_from_slice(&[0, 0, 0]);
-        self.outbox
-            .extend_from_slice(&(body.len() as u32).to_le_bytes());
-        self.outbox.extend_from_slice(body);
+    fn out(&self) -> MutexGuard<'_, Out> {
+        lock(&self.shared.out)
+    }
+
+    fn push_frame(&self, kind: u8, body: &[u8]) {
+        self.out().push_frame(kind, body);
+    }
+
+    fn flush(&self) -> Result<()> {
+        self.out().flush(&self.shared.sock)
     }
 
     fn pending_out(&self) -> usize {
-        self.outbox.len() - self.out_pos
+        self.out().pending()
     }
 
-    /// Writes as much of the outbox as the socket takes.
-    fn flush(&mut self) -> Result<()> {
-        while self.out_pos < self.outbox.len() {
-            match (&self.sock).write(&self.outbox[self.out_pos..]) {
-                Ok(0) => return Err(Error::Disconnected("cuda-ipc socket closed".into())),
-                Ok(n) => self.out_pos += n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(Error::Disconnected(format!("cuda-ipc peer: {e}"))),
-            }
+    /// Sends the revocation answers collected in `self.answers`.
+    fn answer(&mut self) {
+        if self.answers.is_empty() {
+            return;
         }
-        if self.out_pos == self.outbox.len() {
-            self.outbox.clear();
-            self.out_pos = 0;
+        let mut out = lock(&self.shared.out);
+        for (id, gen) in self.answers.drain(..) {
+            out.push_frame(K_REVOKED, &encode_revoke(id, gen));
         }
-        Ok(())
     }
 
     /// Handles complete frames in the inbox.
@@ -691,21 +1125,8 @@ impl CudaIpcHal {
             match kind {
                 K_ANNOUNCE => {
                     let a = Announcement::decode(body)?;
-                    if self.remote.len() >= MAX_REMOTE_REGIONS {
-                        return Err(Error::Protocol(format!(
-                            "cuda-ipc: more than {MAX_REMOTE_REGIONS} remote regions"
-                        )));
-                    }
-                    let mapping = Mapped::open(&a.handle, &self.device);
-                    self.revoked.remove(&a.region);
-                    self.remote.insert(
-                        a.region,
-                        RemoteRegion {
-                            key: a.key,
-                            access: Access::from_bits_truncate(a.access),
-                            mapping,
-                        },
-                    );
+                    self.remote.announce(a, &mut self.answers)?;
+                    self.answer();
                 }
                 K_MSG => {
                     let Some(rt) = t.recv_front() else {
@@ -723,19 +1144,13 @@ impl CudaIpcHal {
                     t.complete(rt, status, n, 0);
                 }
                 K_REVOKE => {
-                    let region = decode_revoke(body)?;
-                    self.revoked.insert(region);
-                    match self.remote.remove(&region) {
-                        Some(RemoteRegion { mapping: Ok(m), .. }) => self.closing.push((region, m)),
-                        // Never opened: nothing to close.
-                        _ => self.push_frame(K_REVOKED, &region.to_le_bytes()),
-                    }
+                    let (id, gen) = decode_revoke(body)?;
+                    self.remote.revoke(id, gen, &mut self.answers);
+                    self.answer();
                 }
                 K_REVOKED => {
-                    let region = decode_revoke(body)?;
-                    if let Some(buf) = self.exports.remove(&region) {
-                        forget_local_export(&buf);
-                    }
+                    let (id, gen) = decode_revoke(body)?;
+                    self.out().release(id, gen);
                 }
                 _ => return Err(Error::Protocol("cuda-ipc: second hello".into())),
             }
@@ -747,15 +1162,15 @@ impl CudaIpcHal {
 
     /// Reads the socket and handles frames; a hang-up fails everything in flight.
     fn receive(&mut self, t: &mut Tracker) -> Result<()> {
-        let mut chunk = [0u8; 64 * 1024];
         loop {
             if let Parsed::WaitingForRecv = self.parse(t)? {
                 return Ok(());
             }
-            match (&self.sock).read(&mut chunk) {
+            let chunk = &mut self.chunk[..];
+            match (&self.shared.sock).read(chunk) {
                 Ok(0) => {
                     self.parse(t)?;
-                    self.peer_left();
+                    self.out().peer_left();
                     t.fail_all(Status::PeerGone, "cuda-ipc peer hung up");
                     return Ok(());
                 }
@@ -763,7 +1178,7 @@ impl CudaIpcHal {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => {
-                    self.peer_left();
+                    self.out().peer_left();
                     t.fail_all(Status::PeerGone, format!("cuda-ipc peer: {e}"));
                     return Ok(());
                 }
@@ -800,30 +1215,41 @@ impl CudaIpcHal {
             }
             OpDesc::Write { key, off } | OpDesc::Read { key, off } => {
                 let write = matches!(desc, OpDesc::Write { .. });
-                if self.revoked.contains(&key.region) {
-                    t.submit_pop();
-                    t.complete(tok, Status::RemoteAccess, 0, 0);
-                    return true;
-                }
-                let Some(r) = self.remote.get(&key.region) else {
-                    // Not announced yet: wait for it, for a while.
-                    let since = *self.blocked_since.get_or_insert_with(Instant::now);
-                    if since.elapsed() < self.wait_limit {
-                        return false;
+                match self.remote.key_state(key.region, key.gen) {
+                    KeyState::Live => self.blocked_since = None,
+                    KeyState::Stale => {
+                        t.submit_pop();
+                        t.complete(tok, Status::RemoteAccess, 0, 0);
+                        return true;
                     }
-                    self.blocked_since = None;
-                    t.submit_pop();
-                    t.complete(tok, Status::RemoteAccess, 0, 0);
-                    return true;
-                };
-                self.blocked_since = None;
+                    KeyState::Unknown => {
+                        // Not announced yet: wait for it, for a while.
+                        let since = *self.blocked_since.get_or_insert_with(Instant::now);
+                        if since.elapsed() < self.wait_limit {
+                            return false;
+                        }
+                        self.blocked_since = None;
+                        t.submit_pop();
+                        t.complete(tok, Status::RemoteAccess, 0, 0);
+                        return true;
+                    }
+                }
+                t.submit_pop();
                 let need = if write {
                     Access::REMOTE_WRITE
                 } else {
                     Access::REMOTE_READ
                 };
-                t.submit_pop();
-                let (Ok(mapping), Some(local)) = (&r.mapping, local) else {
+                let device = &self.device;
+                let r = self.remote.live.get_mut(&key.region).expect("live key");
+                if r.key != key.key || !r.access.contains(need) {
+                    t.complete(tok, Status::RemoteAccess, 0, 0);
+                    return true;
+                }
+                let mapping = r
+                    .mapping
+                    .get_or_insert_with(|| Mapped::open(&r.handle, device));
+                let (Ok(mapping), Some(local)) = (&*mapping, local) else {
                     t.complete(tok, Status::RemoteAccess, 0, 0);
                     return true;
                 };
@@ -831,12 +1257,11 @@ impl CudaIpcHal {
                     off.checked_add(len as u64),
                     Some(end) if end <= mapping.len() as u64
                 );
-                if r.key != key.key || !r.access.contains(need) || !in_bounds {
+                if !in_bounds {
                     t.complete(tok, Status::RemoteAccess, 0, 0);
                     return true;
                 }
-                let copy = mapping.copy(&self.stream, write, off as usize, &local, local_off, len);
-                match copy {
+                match mapping.copy(&self.stream, write, off as usize, &local, local_off, len) {
                     Ok(c) => self.copies.push_back((tok, c, len)),
                     Err(_) => {
                         t.complete(tok, Status::RemoteAccess, 0, 0);
@@ -844,8 +1269,10 @@ impl CudaIpcHal {
                 }
                 true
             }
-            OpDesc::Recv | OpDesc::Atomic { .. } => {
-                // Never queued here: receives have their own queue, atomics are refused.
+            // Receives have their own queue, atomics are refused by the tracker; operations
+            // this backend does not know complete with an error.
+            #[allow(unreachable_patterns)]
+            _ => {
                 t.submit_pop();
                 t.complete(tok, Status::ProtocolError, 0, 0);
                 true
@@ -853,53 +1280,10 @@ impl CudaIpcHal {
         }
     }
 
-    /// Sends `revoke` for exported regions whose memory the user dropped.
-    fn revoke_dropped(&mut self) {
-        if !self.notices.any.swap(false, Ordering::AcqRel) {
-            return;
-        }
-        let dropped = std::mem::take(
-            &mut *self
-                .notices
-                .regions
-                .lock()
-                .unwrap_or_else(|p| p.into_inner()),
-        );
-        for region in dropped {
-            if self.exports.contains_key(&region) {
-                if self.peer_gone || self.same_process {
-                    // No mapping of another process can be left: free now.
-                    if let Some(buf) = self.exports.remove(&region) {
-                        forget_local_export(&buf);
-                    }
-                } else {
-                    self.push_frame(K_REVOKE, &region.to_le_bytes());
-                }
-            }
-        }
-    }
-
     /// Closes revoked peer mappings that no copy uses any more, and says so to the peer.
     fn close_revoked(&mut self) {
-        let mut i = 0;
-        while i < self.closing.len() {
-            if self.closing[i].1.unused() {
-                let (region, mapping) = self.closing.swap_remove(i);
-                drop(mapping);
-                self.push_frame(K_REVOKED, &region.to_le_bytes());
-            } else {
-                i += 1;
-            }
-        }
-    }
-
-    /// The socket hung up: the peer's mappings are closed (with its transport) or gone (with
-    /// its process), so our exports can be freed.
-    fn peer_left(&mut self) {
-        self.peer_gone = true;
-        for (_, buf) in self.exports.drain() {
-            forget_local_export(&buf);
-        }
+        self.remote.close_unused(Mapped::unused, &mut self.answers);
+        self.answer();
     }
 
     /// Completes finished copies, in order.
@@ -918,35 +1302,31 @@ impl CudaIpcHal {
     }
 }
 
-fn forget_local_export(buf: &Arc<nv::DeviceBuffer>) {
-    let mut e = local_exports().lock().unwrap_or_else(|p| p.into_inner());
-    e.retain(|_, w| w.strong_count() > 0 && !std::ptr::eq(w.as_ptr(), Arc::as_ptr(buf)));
-}
-
 impl Drop for CudaIpcHal {
     /// Closes this side's mappings of the peer's memory first (after the copies using them),
     /// then makes sure the peer closed its mappings of ours before they are freed: every
-    /// export is revoked and kept until the peer answers or hangs up, for at most the
-    /// handshake timeout; what is still unanswered then is leaked, not freed under the peer.
+    /// export of this connection is revoked and kept until the peer answers or hangs up, for
+    /// at most the handshake timeout; what is still unanswered then is leaked, not freed
+    /// under the peer.
     fn drop(&mut self) {
         self.copies.clear(); // each waits for its copy
-        self.remote.clear();
-        self.closing.clear();
-        if self.exports.is_empty() || self.peer_gone || self.same_process {
-            let exports: Vec<_> = self.exports.drain().map(|(_, b)| b).collect();
-            for buf in &exports {
-                forget_local_export(buf);
+        self.remote = RemoteTable::default();
+        let regions: Vec<(u32, u32)> = {
+            let mut out = self.out();
+            out.closed = true;
+            if out.exports.is_empty() || out.peer_gone || out.same_process {
+                out.exports.clear();
+                return;
             }
-            return;
-        }
-        let regions: Vec<u32> = self.exports.keys().copied().collect();
-        for region in regions {
-            self.push_frame(K_REVOKE, &region.to_le_bytes());
+            out.exports.keys().copied().collect()
+        };
+        for (id, gen) in regions {
+            self.push_frame(K_REVOKE, &encode_revoke(id, gen));
         }
         let deadline = Instant::now() + self.wait_limit;
         let mut chunk = [0u8; 4096];
         let mut broken = false;
-        while !self.exports.is_empty() && !broken && Instant::now() < deadline {
+        while !self.out().exports.is_empty() && !broken && Instant::now() < deadline {
             if self.flush().is_err() {
                 break;
             }
@@ -968,36 +1348,36 @@ impl Drop for CudaIpcHal {
                 }
                 let body = &self.inbox[at + FRAME_HEADER_LEN..at + FRAME_HEADER_LEN + len];
                 match (kind, decode_revoke(body)) {
-                    (K_REVOKED, Ok(region)) => {
-                        if let Some(buf) = self.exports.remove(&region) {
-                            forget_local_export(&buf);
-                        }
+                    (K_REVOKED, Ok((id, gen))) => self.out().release(id, gen),
+                    (K_REVOKE, Ok((id, gen))) => {
+                        self.push_frame(K_REVOKED, &encode_revoke(id, gen))
                     }
-                    (K_REVOKE, Ok(region)) => self.push_frame(K_REVOKED, &region.to_le_bytes()),
                     _ => {}
                 }
                 at += FRAME_HEADER_LEN + len;
             }
             self.inbox.drain(..at);
-            match (&self.sock).read(&mut chunk) {
+            match (&self.shared.sock).read(&mut chunk) {
                 Ok(0) => {
-                    self.peer_left();
+                    self.out().peer_left();
                     break;
                 }
                 Ok(n) => self.inbox.extend_from_slice(&chunk[..n]),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    let _ = sys::poll_readable(self.sock.as_fd(), Some(Duration::from_millis(10)));
+                    let _ = sys::poll_readable(
+                        self.shared.sock.as_fd(),
+                        Some(Duration::from_millis(10)),
+                    );
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(_) => {
-                    self.peer_left();
+                    self.out().peer_left();
                     break;
                 }
             }
         }
         // Unanswered: the peer may still map them. Never free memory under it.
-        for (_, buf) in self.exports.drain() {
-            forget_local_export(&buf);
+        for (_, buf) in self.out().exports.drain() {
             std::mem::forget(buf);
         }
     }
@@ -1008,48 +1388,7 @@ impl Hal for CudaIpcHal {
         TransportKind::CudaIpc
     }
 
-    fn register(&mut self, t: &mut Tracker, len: usize, access: Access) -> Result<Region> {
-        let bytes = len.max(1);
-        let buf = Arc::new(self.device.alloc(bytes).map_err(cuda("cuMemAlloc"))?);
-        nv::fill(&*buf, 0, bytes, 0).map_err(cuda("cuMemsetD8"))?;
-        let handle = if access.is_remote() {
-            Some(buf.ipc_handle().map_err(cuda("cuIpcGetMemHandle"))?)
-        } else {
-            None
-        };
-        let id = t.next_region_id();
-        let notice = handle.is_some().then(|| (id, self.notices.clone()));
-        if let Some(h) = &handle {
-            self.exports.insert(id, buf.clone());
-            local_exports()
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert(h.allocation_id(), Arc::downgrade(&buf));
-        }
-        let r = Region::device(
-            id,
-            self.conn,
-            TransportKind::CudaIpc,
-            access,
-            len,
-            Box::new(GpuMemory(buf, notice)),
-        )?;
-        if let Some(handle) = handle {
-            let a = Announcement {
-                region: r.id(),
-                access: access.bits(),
-                key: r.inner.key,
-                handle,
-            };
-            self.push_frame(K_ANNOUNCE, &a.encode());
-            self.flush()?;
-        }
-        t.add_region(r.clone());
-        Ok(r)
-    }
-
     fn progress(&mut self, t: &mut Tracker) -> Result<()> {
-        self.revoke_dropped();
         self.close_revoked();
         self.flush()?;
         self.receive(t)?;
@@ -1067,13 +1406,12 @@ impl Hal for CudaIpcHal {
     }
 
     fn wait_fd(&self) -> BorrowedFd<'_> {
-        self.sock.as_fd()
+        self.shared.sock.as_fd()
     }
 
     fn arm(&mut self, t: &Tracker) -> Result<bool> {
         let work = !self.copies.is_empty()
-            || !self.closing.is_empty()
-            || self.notices.any.load(Ordering::Acquire)
+            || !self.remote.closing.is_empty()
             || self.pending_out() > 0
             || (t.has_submissions() && self.blocked_since.is_none())
             || (self.inbox.len() >= FRAME_HEADER_LEN && t.recv_front().is_some());
@@ -1128,13 +1466,17 @@ mod tests {
 
     #[test]
     fn revoke_frames_are_exactly_a_region_id() {
-        let f = encode_frame(K_REVOKE, &7u32.to_le_bytes()).unwrap();
+        let f = encode_frame(K_REVOKE, &encode_revoke(7, 0x0102_0304)).unwrap();
         assert_eq!(decode_frame_header(&f, 0).unwrap(), (K_REVOKE, REVOKE_LEN));
-        assert_eq!(decode_revoke(&f[FRAME_HEADER_LEN..]).unwrap(), 7);
-        let f = encode_frame(K_REVOKED, &[1, 2, 3]).unwrap();
+        assert_eq!(
+            decode_revoke(&f[FRAME_HEADER_LEN..]).unwrap(),
+            (7, 0x0102_0304)
+        );
+        // A version-2 revocation (id only) is refused.
+        let f = encode_frame(K_REVOKED, &7u32.to_le_bytes()).unwrap();
         assert!(matches!(
             decode_frame_header(&f, 1 << 20),
-            Err(DecodeError::TooLong { len: 3, max: 4, .. })
+            Err(DecodeError::TooLong { len: 4, max: 8, .. })
         ));
         assert!(decode_revoke(&[1, 2, 3, 4, 5]).is_err());
         // Every kind the encoder knows decodes (with its fixed length where it has one).
@@ -1154,21 +1496,124 @@ mod tests {
     fn announcements_round_trip_and_reject_garbage() {
         let a = Announcement {
             region: 7,
+            gen: 0xdead_beef,
             access: (Access::REMOTE_WRITE | Access::REMOTE_READ).bits(),
             key: 0x1234_5678_9abc_def0,
             handle: nv::IpcMemHandle::from_parts([3; 64], 1 << 20, [9; 16]),
         };
         assert_eq!(Announcement::decode(&a.encode()).unwrap(), a);
         let mut b = a.encode();
-        b[4] = 0xff;
+        b[8] = 0xff;
         assert!(matches!(
             Announcement::decode(&b),
             Err(DecodeError::Invalid { what, .. }) if what.contains("access")
         ));
         let mut b = a.encode();
-        b[16] = b'X'; // handle magic
+        b[13] = 1;
+        assert!(matches!(
+            Announcement::decode(&b),
+            Err(DecodeError::Invalid { what, .. }) if what.contains("reserved")
+        ));
+        let mut b = a.encode();
+        b[24] = b'X'; // handle magic
         assert!(Announcement::decode(&b).is_err());
         assert!(Announcement::decode(&b[..10]).is_err());
+    }
+
+    #[test]
+    fn generations_compare_across_the_wrap() {
+        assert!(not_newer(3, 3) && not_newer(3, 4) && !not_newer(4, 3));
+        assert!(not_newer(u32::MAX, 0) && !not_newer(0, u32::MAX));
+    }
+
+    fn ann(region: u32, gen: u32) -> Announcement {
+        Announcement {
+            region,
+            gen,
+            access: Access::REMOTE_WRITE.bits(),
+            key: 99,
+            handle: nv::IpcMemHandle::from_parts([3; 64], 4096, [9; 16]),
+        }
+    }
+
+    #[test]
+    fn remote_keys_follow_announcements_revocations_and_reuse() {
+        let mut t = RemoteTable::<u8>::default();
+        let mut answers = Vec::new();
+        assert_eq!(t.key_state(5, 0), KeyState::Unknown);
+        t.announce(ann(5, 0), &mut answers).unwrap();
+        assert_eq!(t.key_state(5, 0), KeyState::Live);
+        assert_eq!(t.key_state(5, 1), KeyState::Unknown, "a newer one may come");
+        // Revoked before any use: answered at once; its key is stale from now on.
+        t.revoke(5, 0, &mut answers);
+        assert_eq!(answers, [(5, 0)]);
+        assert_eq!(t.key_state(5, 0), KeyState::Stale);
+        // The id comes back with the next generation.
+        answers.clear();
+        t.announce(ann(5, 1), &mut answers).unwrap();
+        assert!(answers.is_empty());
+        assert_eq!(t.key_state(5, 1), KeyState::Live);
+        assert_eq!(t.key_state(5, 0), KeyState::Stale);
+        // Mapped, then revoked: answered only once the mapping is unused.
+        t.live.get_mut(&5).unwrap().mapping = Some(Ok(7));
+        t.revoke(5, 1, &mut answers);
+        assert!(answers.is_empty(), "answered while a copy may use it");
+        assert_eq!(t.key_state(5, 1), KeyState::Stale);
+        t.close_unused(|_| false, &mut answers);
+        assert!(answers.is_empty());
+        t.close_unused(|&m| m == 7, &mut answers);
+        assert_eq!(answers, [(5, 1)]);
+        assert!(t.closing.is_empty());
+        // A newer generation announced before the old one's revocation (the exporter
+        // reused the id meanwhile) supersedes it; the late revocation is answered again
+        // (harmless) and does not touch the new one.
+        answers.clear();
+        t.announce(ann(6, 0), &mut answers).unwrap();
+        t.live.get_mut(&6).unwrap().mapping = Some(Ok(1));
+        t.announce(ann(6, 1), &mut answers).unwrap();
+        assert_eq!(t.key_state(6, 0), KeyState::Stale);
+        assert_eq!(t.key_state(6, 1), KeyState::Live);
+        assert_eq!(t.closing.len(), 1);
+        t.revoke(6, 0, &mut answers);
+        assert!(answers.is_empty(), "still closing");
+        assert_eq!(t.key_state(6, 1), KeyState::Live);
+        t.close_unused(|_| true, &mut answers);
+        assert_eq!(answers, [(6, 0)]);
+        // Generations wrap.
+        t.announce(ann(8, u32::MAX), &mut answers).unwrap();
+        t.revoke(8, u32::MAX, &mut answers);
+        t.announce(ann(8, 0), &mut answers).unwrap();
+        assert_eq!(t.key_state(8, 0), KeyState::Live);
+        assert_eq!(t.key_state(8, u32::MAX), KeyState::Stale);
+    }
+
+    #[test]
+    fn a_churning_peer_keeps_the_table_bounded_and_too_many_ids_are_refused() {
+        let mut t = RemoteTable::<u8>::default();
+        let mut answers = Vec::new();
+        for gen in 0..100_000u32 {
+            t.announce(ann(gen % 3, gen / 3), &mut answers).unwrap();
+            t.revoke(gen % 3, gen / 3, &mut answers);
+        }
+        assert_eq!(answers.len(), 100_000);
+        assert!(t.live.is_empty() && t.closing.is_empty());
+        assert_eq!(t.retired.len(), 3);
+        let mut t = RemoteTable::<u8> {
+            max_ids: 1000,
+            ..RemoteTable::default()
+        };
+        for id in 0..1000 {
+            t.announce(ann(id, 0), &mut answers).unwrap();
+        }
+        // A known id is fine, live or revoked; a new one is a protocol error.
+        t.announce(ann(0, 1), &mut answers).unwrap();
+        t.revoke(1, 0, &mut answers);
+        t.announce(ann(1, 1), &mut answers).unwrap();
+        assert!(matches!(
+            t.announce(ann(1000, 0), &mut answers),
+            Err(Error::Protocol(_))
+        ));
+        assert_eq!(RemoteTable::<u8>::default().max_ids, MAX_REMOTE_IDS);
     }
 
     #[test]
@@ -1177,11 +1622,11 @@ mod tests {
         b[0..8].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
         b[8..12].copy_from_slice(&HELLO_VERSION.to_le_bytes());
         check_hello(&b).unwrap();
-        // A version-1 peer (no revocations) is refused.
-        b[8] = 1;
+        // A version-2 peer (connection-scoped ids, no generations) is refused.
+        b[8] = 2;
         assert!(matches!(
             check_hello(&b),
-            Err(Error::Decode(DecodeError::Version { found: 1, .. }))
+            Err(Error::Decode(DecodeError::Version { found: 2, .. }))
         ));
         b[0] = 0;
         assert!(matches!(

@@ -10,13 +10,12 @@ use std::os::fd::BorrowedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::domain::{Domain, DomainBackend, MemorySupport};
+use crate::domain::{Domain, DomainBackend};
 use crate::error::{Error, Result};
 use crate::region::{Access, Buf, Region};
 use crate::tracker::{OpDesc, Tracker};
 use crate::transport::{
-    AtomicOp, Capabilities, Completion, MemoryKinds, PostResult, RemoteKey, Transport,
-    TransportKind,
+    AtomicOp, Capabilities, Completion, PostResult, RemoteKey, Transport, TransportKind,
 };
 
 #[cfg(feature = "cuda-ipc")]
@@ -46,8 +45,8 @@ pub struct BackendEntry {
     pub kind: TransportKind,
     /// Whether the backend can run on this machine (`Err` says why not).
     pub probe: fn() -> Result<()>,
-    /// Opens the per-device half (a [`Domain`](crate::Domain)'s backend); `None` for a
-    /// backend whose registrations are per connection (cuda-ipc).
+    /// Opens the per-device half (a [`Domain`](crate::Domain)'s backend); every backend
+    /// built in has one.
     pub(crate) open: Option<OpenDomain>,
     /// Starts a listener (in a fresh domain).
     pub listen: fn(&Options) -> Result<Box<dyn Listener>>,
@@ -234,15 +233,6 @@ pub(crate) fn next_conn_id() -> u64 {
 /// [`Tracker`].
 pub(crate) trait Hal: Send + fmt::Debug {
     fn kind(&self) -> TransportKind;
-    /// Registers memory per connection and records it with `t.add_region` (backends
-    /// without a domain: cuda-ipc); domain backends register through their
-    /// [`DomainBackend`](crate::domain::DomainBackend).
-    fn register(&mut self, _t: &mut Tracker, _len: usize, _access: Access) -> Result<Region> {
-        Err(Error::Unsupported {
-            transport: self.kind(),
-            what: "per-connection registration",
-        })
-    }
     /// Moves queued operations and incoming data; reports completions to `t`.
     fn progress(&mut self, t: &mut Tracker) -> Result<()>;
     fn wait_fd(&self) -> BorrowedFd<'_>;
@@ -255,75 +245,14 @@ pub(crate) struct Endpoint<H: Hal> {
     t: Tracker,
     h: H,
     domain: Domain,
-    /// Registrations go through the hal (connection-scoped backend).
-    per_connection: bool,
-}
-
-/// The per-device half of a backend whose registrations are per connection.
-#[derive(Debug)]
-#[cfg_attr(not(feature = "cuda-ipc"), allow(dead_code))]
-struct ConnectionScoped;
-
-impl DomainBackend for ConnectionScoped {
-    fn admit(&self, _source: crate::domain::Source, _access: Access) -> Result<()> {
-        Err(Error::Unsupported {
-            transport: TransportKind::CudaIpc,
-            what: "domain registration (register on the connection)",
-        })
-    }
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
-    fn kind(&self) -> TransportKind {
-        TransportKind::CudaIpc
-    }
-    fn memory(&self) -> MemorySupport {
-        MemorySupport {
-            allocated: MemoryKinds::CUDA_DEVICE,
-            allocated_remote: MemoryKinds::CUDA_DEVICE,
-            caller: MemoryKinds::empty(),
-            caller_remote: MemoryKinds::empty(),
-        }
-    }
-    fn listen(&self, _d: &Domain) -> Result<Box<dyn Listener>> {
-        Err(Error::Unsupported {
-            transport: TransportKind::CudaIpc,
-            what: "listening from a connection's domain",
-        })
-    }
-    fn connect(&self, _d: &Domain, _a: &str) -> Result<Box<dyn Connector>> {
-        Err(Error::Unsupported {
-            transport: TransportKind::CudaIpc,
-            what: "connecting from a connection's domain",
-        })
-    }
 }
 
 impl<H: Hal> Endpoint<H> {
-    /// A connection whose registrations are its own (the tracker's owner id is the
-    /// connection's; cuda-ipc).
-    #[cfg_attr(not(feature = "cuda-ipc"), allow(dead_code))]
-    pub(crate) fn new(t: Tracker, h: H) -> Self {
-        let kind = h.kind();
-        let domain = Domain::with_backend(kind, &Options::default(), Box::new(ConnectionScoped));
-        Endpoint {
-            t,
-            h,
-            domain,
-            per_connection: true,
-        }
-    }
-
     /// A connection of `domain` (the tracker must have been made with `domain.id()`).
     #[cfg_attr(fabric_loom, allow(dead_code))]
     pub(crate) fn in_domain(domain: Domain, t: Tracker, h: H) -> Self {
         debug_assert_eq!(t.owner(), domain.id());
-        Endpoint {
-            t,
-            h,
-            domain,
-            per_connection: false,
-        }
+        Endpoint { t, h, domain }
     }
 
     fn post(&mut self, desc: OpDesc, buf: Buf, wr_id: u64) -> PostResult {
@@ -356,12 +285,7 @@ impl<H: Hal> Transport for Endpoint<H> {
                 what: "remote access",
             });
         }
-        if self.per_connection {
-            self.h
-                .register(&mut self.t, len, access | Access::LOCAL_WRITE)
-        } else {
-            self.domain.register(len, access)
-        }
+        self.domain.register(len, access)
     }
     fn post_send(&mut self, buf: Buf, wr_id: u64) -> PostResult {
         self.post(OpDesc::Send, buf, wr_id)
