@@ -507,7 +507,13 @@ fn a_rank_that_exits_right_after_its_table_fails_no_one() {
                 s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
                 let p = read_challenge(&mut s);
                 let nonce: [u8; wire::NONCE_LEN] = p[..wire::NONCE_LEN].try_into().unwrap();
-                send_hello(&mut s, r, N, auth::response(SECRET, &nonce, r), &big(r));
+                send_hello(
+                    &mut s,
+                    r,
+                    N,
+                    auth::answer(auth::Purpose::Bootstrap, SECRET, &nonce, r),
+                    &big(r),
+                );
                 std::thread::sleep(Duration::from_millis(500)); // slow to read
                 let t = bootstrap::read_frame_expecting(&mut s, wire::FrameType::Table).unwrap();
                 let t = wire::decode_table(&t).unwrap();
@@ -545,7 +551,13 @@ fn a_rank_that_vanishes_during_the_send_is_named_and_the_others_are_served() {
             s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
             let p = read_challenge(&mut s);
             let nonce: [u8; wire::NONCE_LEN] = p[..wire::NONCE_LEN].try_into().unwrap();
-            send_hello(&mut s, 1, N, auth::response(SECRET, &nonce, 1), &big(1));
+            send_hello(
+                &mut s,
+                1,
+                N,
+                auth::answer(auth::Purpose::Bootstrap, SECRET, &nonce, 1),
+                &big(1),
+            );
             let mut h = [0u8; wire::HEADER_LEN];
             s.read_exact(&mut h).unwrap();
             assert_eq!(wire::decode_header(&h).unwrap().0, wire::FrameType::Table);
@@ -585,7 +597,7 @@ fn a_rank_that_dies_mid_handshake_is_named_everywhere() {
         s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
         let p = read_challenge(&mut s);
         let nonce: [u8; wire::NONCE_LEN] = p[..wire::NONCE_LEN].try_into().unwrap();
-        let mac = auth::response(SECRET, &nonce, DEAD);
+        let mac = auth::answer(auth::Purpose::Bootstrap, SECRET, &nonce, DEAD);
         if complete_hello {
             send_hello(&mut s, DEAD, N, mac, b"dead");
         } else {
@@ -665,7 +677,7 @@ fn a_tampered_answer_is_refused() {
         s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
         let p = read_challenge(&mut s);
         let nonce: [u8; wire::NONCE_LEN] = p[..wire::NONCE_LEN].try_into().unwrap();
-        let mut mac = auth::response(SECRET, &nonce, 1);
+        let mut mac = auth::answer(auth::Purpose::Bootstrap, SECRET, &nonce, 1);
         if let Some(bit) = flip {
             mac[bit / 8] ^= 1 << (bit % 8);
         }

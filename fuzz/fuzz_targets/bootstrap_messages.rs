@@ -6,8 +6,8 @@
 
 use arbitrary::{Arbitrary, Unstructured};
 use fabric_core::bootstrap::wire::{
-    decode_header, decode_table, encode_header, encode_table, Challenge, EndpointInfo, Hello,
-    Lost, PeerEntry, HEADER_LEN, MAC_LEN, MAX_BLOB, MAX_ERROR, MAX_LOST,
+    decode_header, decode_table, encode_header, encode_table, Challenge, EndpointInfo, Hello, Lost,
+    PeerEntry, HEADER_LEN, MAC_LEN, MAX_BLOB, MAX_ERROR, MAX_LOST,
 };
 use libfuzzer_sys::fuzz_target;
 

@@ -1,11 +1,13 @@
 //! Challenge–response for the optional shared secret.
 //!
 //! The server sends a fresh random nonce; the client answers with HMAC-SHA256 (RustCrypto's
-//! `hmac` + `sha2`), keyed by the secret, over a context label, the nonce and its rank,
-//! truncated to its first [`MAC_LEN`] bytes (128 bits, as RFC 2104 §5 allows and RFC 4231
-//! test case 5 exercises); the server verifies in constant time through the `hmac` crate.
-//! The tcp backend's challenge–response uses the same two functions, with the connection
-//! role in place of the rank.
+//! `hmac` + `sha2`), keyed by the secret, over a label naming the protocol, the nonce and
+//! its rank, truncated to its first [`MAC_LEN`] bytes (128 bits, as RFC 2104 §5 allows and
+//! RFC 4231 test case 5 exercises); the server verifies in constant time through the `hmac`
+//! crate. The tcp backend's connection proof is the same construction under its own label
+//! ([`Purpose::Tcp`], through [`response`]), with the connection role in place of the rank:
+//! an answer given in one protocol proves nothing in the other, so a squatter on the
+//! rendezvous port cannot relay a rank's answer into a tcp connection of the job.
 //!
 //! What it protects against: strangers and stray jobs that do not know the secret (port
 //! scanners, another job's ranks reusing the port, a misconfigured launcher) — they are
@@ -22,35 +24,63 @@ use super::wire::{MAC_LEN, NONCE_LEN};
 
 type HmacSha256 = Hmac<Sha256>;
 
-/// Domain-separation label: an answer for this protocol version is no answer for any other.
-const LABEL: &[u8] = b"fabric-bootstrap-v2";
+/// Which protocol an answer is for; each has its own label in the MAC input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Purpose {
+    /// The bootstrap rendezvous (the id is the joining rank).
+    Bootstrap,
+    /// The tcp transport's connection proof (the id is the prover's role: listener 0,
+    /// connector 1).
+    Tcp,
+}
 
-fn keyed(secret: &[u8], nonce: &[u8; NONCE_LEN], rank: u32) -> HmacSha256 {
+impl Purpose {
+    fn label(self) -> &'static [u8] {
+        match self {
+            Purpose::Bootstrap => b"fabric-bootstrap-v2",
+            Purpose::Tcp => b"fabric-tcp-proof-v2",
+        }
+    }
+}
+
+fn keyed(purpose: Purpose, secret: &[u8], nonce: &[u8; NONCE_LEN], id: u32) -> HmacSha256 {
     // HMAC accepts a key of any length (longer keys are hashed first), so this cannot fail.
     let mut m = <HmacSha256 as Mac>::new_from_slice(secret).expect("HMAC takes keys of any length");
-    m.update(LABEL);
+    m.update(purpose.label());
     m.update(nonce);
-    m.update(&rank.to_le_bytes());
+    m.update(&id.to_le_bytes());
     m
 }
 
-/// The answer to `nonce` for `rank` under `secret`: HMAC-SHA256 truncated to [`MAC_LEN`]
-/// bytes.
-pub fn response(secret: &[u8], nonce: &[u8; NONCE_LEN], rank: u32) -> [u8; MAC_LEN] {
-    let full = keyed(secret, nonce, rank).finalize().into_bytes();
+/// The answer to `nonce` for `id` under `secret`: HMAC-SHA256 over the purpose's label,
+/// the nonce and `id` (little-endian), truncated to [`MAC_LEN`] bytes.
+pub fn answer(purpose: Purpose, secret: &[u8], nonce: &[u8; NONCE_LEN], id: u32) -> [u8; MAC_LEN] {
+    let full = keyed(purpose, secret, nonce, id).finalize().into_bytes();
     let mut out = [0u8; MAC_LEN];
     out.copy_from_slice(&full[..MAC_LEN]);
     out
 }
 
-/// Whether `answer` is the right answer to `nonce` for `rank` under `secret`, compared in
+/// Whether `got` is the right answer to `nonce` for `id` under `secret`, compared in
 /// constant time (the `hmac` crate's verification, through `subtle`). An answer of any
 /// other length than [`MAC_LEN`] is refused.
-pub fn verify(secret: &[u8], nonce: &[u8; NONCE_LEN], rank: u32, answer: &[u8]) -> bool {
-    answer.len() == MAC_LEN
-        && keyed(secret, nonce, rank)
-            .verify_truncated_left(answer)
+pub fn verify(
+    purpose: Purpose,
+    secret: &[u8],
+    nonce: &[u8; NONCE_LEN],
+    id: u32,
+    got: &[u8],
+) -> bool {
+    got.len() == MAC_LEN
+        && keyed(purpose, secret, nonce, id)
+            .verify_truncated_left(got)
             .is_ok()
+}
+
+/// The tcp transport's proof for `role`: [`answer`] with [`Purpose::Tcp`] (the name the tcp
+/// backend calls).
+pub fn response(secret: &[u8], nonce: &[u8; NONCE_LEN], role: u32) -> [u8; MAC_LEN] {
+    answer(Purpose::Tcp, secret, nonce, role)
 }
 
 /// Constant-time equality of two byte strings of the same length (`subtle`); different
@@ -97,48 +127,57 @@ mod tests {
         );
     }
 
-    /// Our construction, label ‖ nonce ‖ rank (LE), against a value computed independently:
+    /// Our construction, label ‖ nonce ‖ id (LE), against values computed independently:
     /// `python3 -c 'import hmac,hashlib; print(hmac.new(b"correct horse battery staple",
-    /// b"fabric-bootstrap-v2" + bytes(range(16)) + (7).to_bytes(4, "little"),
-    /// hashlib.sha256).hexdigest()[:32])'`.
+    /// LABEL + bytes(range(16)) + (7).to_bytes(4, "little"), hashlib.sha256).hexdigest()[:32])'`
+    /// with LABEL `b"fabric-bootstrap-v2"` and `b"fabric-tcp-proof-v2"`.
     #[test]
-    fn response_known_answer() {
+    fn answers_known_answer() {
+        let secret = b"correct horse battery staple";
         let nonce: [u8; NONCE_LEN] = core::array::from_fn(|i| i as u8);
-        let r = response(b"correct horse battery staple", &nonce, 7);
-        assert_eq!(r[..], hex("2125a3e60824e2f7f383bc15a117f976")[..]);
-        assert!(verify(b"correct horse battery staple", &nonce, 7, &r));
+        let b = answer(Purpose::Bootstrap, secret, &nonce, 7);
+        assert_eq!(b[..], hex("2125a3e60824e2f7f383bc15a117f976")[..]);
+        assert!(verify(Purpose::Bootstrap, secret, &nonce, 7, &b));
+        let t = response(secret, &nonce, 7);
+        assert_eq!(t[..], hex("397ec14bdfd0d9480237adcfc556f42b")[..]);
+        assert_eq!(t, answer(Purpose::Tcp, secret, &nonce, 7));
+        // One protocol's answer proves nothing in the other.
+        assert!(!verify(Purpose::Tcp, secret, &nonce, 7, &b));
+        assert!(!verify(Purpose::Bootstrap, secret, &nonce, 7, &t));
     }
 
     #[test]
-    fn wrong_secret_nonce_or_rank_is_refused() {
+    fn wrong_secret_nonce_or_id_is_refused() {
+        let p = Purpose::Bootstrap;
         let n = [1u8; NONCE_LEN];
-        let r = response(b"s3cret", &n, 1);
-        assert!(verify(b"s3cret", &n, 1, &r));
-        assert!(ct_eq(&r, &response(b"s3cret", &n, 1)));
-        assert!(!verify(b"s3cret!", &n, 1, &r), "wrong secret accepted");
-        assert!(!verify(b"", &n, 1, &r), "empty secret accepted");
-        assert!(!verify(b"s3cret", &[2; NONCE_LEN], 1, &r), "other nonce");
-        assert!(!verify(b"s3cret", &n, 2, &r), "other rank");
-        assert!(!ct_eq(&r, &response(b"s3cret!", &n, 1)));
+        let r = answer(p, b"s3cret", &n, 1);
+        assert!(verify(p, b"s3cret", &n, 1, &r));
+        assert!(ct_eq(&r, &answer(p, b"s3cret", &n, 1)));
+        assert!(!verify(p, b"s3cret!", &n, 1, &r), "wrong secret accepted");
+        assert!(!verify(p, b"", &n, 1, &r), "empty secret accepted");
+        assert!(!verify(p, b"s3cret", &[2; NONCE_LEN], 1, &r), "other nonce");
+        assert!(!verify(p, b"s3cret", &n, 2, &r), "other rank");
+        assert!(!ct_eq(&r, &answer(p, b"s3cret!", &n, 1)));
     }
 
     #[test]
     fn tampered_or_resized_answers_are_refused() {
+        let p = Purpose::Bootstrap;
         let n = [9u8; NONCE_LEN];
-        let r = response(b"k", &n, 3);
+        let r = answer(p, b"k", &n, 3);
         for i in 0..MAC_LEN {
             for bit in 0..8 {
                 let mut t = r;
                 t[i] ^= 1 << bit;
-                assert!(!verify(b"k", &n, 3, &t), "flipped bit {bit} of byte {i}");
+                assert!(!verify(p, b"k", &n, 3, &t), "flipped bit {bit} of byte {i}");
                 assert!(!ct_eq(&r, &t));
             }
         }
-        assert!(!verify(b"k", &n, 3, &r[..MAC_LEN - 1]), "short answer");
-        assert!(!verify(b"k", &n, 3, &[]), "empty answer");
+        assert!(!verify(p, b"k", &n, 3, &r[..MAC_LEN - 1]), "short answer");
+        assert!(!verify(p, b"k", &n, 3, &[]), "empty answer");
         let mut long = r.to_vec();
         long.push(0);
-        assert!(!verify(b"k", &n, 3, &long), "long answer");
+        assert!(!verify(p, b"k", &n, 3, &long), "long answer");
         assert!(!ct_eq(&r, &long));
     }
 }

@@ -4,9 +4,14 @@
 //! transport (same host → shm; RDMA on both → verbs; else tcp; overridable) and connects.
 //!
 //! The server binds loopback unless told otherwise, serves connections concurrently on
-//! non-blocking sockets, each with its own deadline, validates each frame header (type,
-//! version, reserved byte, per-type length limit) before buffering its payload, refuses malformed, truncated, oversized or unauthenticated peers with a typed
-//! error (sent back as an `Error` frame when possible) and keeps serving the others.
+//! non-blocking sockets under one `poll`, each with its own deadline, validates each frame
+//! header (type, version, reserved byte, per-type length limit) before buffering its
+//! payload, refuses malformed, truncated, oversized or unauthenticated peers (HMAC-SHA256
+//! challenge–response, [`auth`]) with a typed error (sent back as an `Error` frame when
+//! possible) and keeps serving the others. It sends the table to every rank at once and
+//! waits for each to confirm it; what a rank lost on the way means is spelled out on
+//! [`Server`]. 1,000 ranks in one process complete in about a second on loopback
+//! (`tests/fabric_bootstrap.rs`).
 
 pub mod auth;
 pub mod launcher;
@@ -119,7 +124,8 @@ fn expect(t: FrameType, want: FrameType) -> Result<()> {
 /// - A rank that joined and hangs up *before the table is sent* gives its slot back: a
 ///   well-formed rank may still take it (a restarted process, say). If no one has by the
 ///   deadline, the run fails with [`Error::RanksLost`] naming it, and every rank still
-///   waiting gets the same error (a `Lost` frame) instead of a bare hang-up.
+///   waiting gets the same error (a `Lost` frame, listing up to 1,024 of them) instead of
+///   a bare hang-up.
 /// - The table goes to every rank at once (non-blocking sockets under one `poll`), and a
 ///   rank counts as served only when it *confirms* the complete table (an `Ack` frame,
 ///   which [`join`] sends before it returns). A rank that confirmed and then exits fails
@@ -144,6 +150,11 @@ struct Joined {
 
 /// How many per-rank reasons an error text spells out (the rank list is complete).
 const REASONS_SHOWN: usize = 16;
+
+/// How many lost ranks the `Lost` frame to waiting ranks lists (the text says how many
+/// more): the frame stays within 5 KiB, which a fresh socket's send buffer takes whole, so
+/// the never-blocking send does not cut it short.
+const LOST_LISTED: usize = 1024;
 
 fn ranks_lost(mut lost: Vec<(u32, String)>) -> Error {
     lost.sort_by_key(|l| l.0);
@@ -334,7 +345,7 @@ impl Server {
                 let err = ranks_lost(lost);
                 if let Error::RanksLost { ranks, reason } = &err {
                     let msg = Lost {
-                        ranks: ranks.clone(),
+                        ranks: ranks[..ranks.len().min(LOST_LISTED)].to_vec(),
                         reason: reason.clone(),
                     }
                     .encode();
@@ -385,7 +396,7 @@ impl Server {
     /// Checks a complete hello against the secret, the world size and the taken ranks.
     fn check(&self, h: &Hello, nonce: &[u8; NONCE_LEN], joined: &[Option<Joined>]) -> Result<()> {
         if let Some(secret) = &self.secret {
-            if !auth::verify(secret, nonce, h.rank, &h.mac) {
+            if !auth::verify(auth::Purpose::Bootstrap, secret, nonce, h.rank, &h.mac) {
                 return Err(Error::Bootstrap("wrong secret".into()));
             }
         }
@@ -696,7 +707,7 @@ pub fn join(
     let p = read_frame_expecting(&mut s, FrameType::Challenge)?;
     let ch = Challenge::decode(&p)?;
     let mac = match (secret, ch.secret_required) {
-        (Some(sec), _) => auth::response(sec, &ch.nonce, rank),
+        (Some(sec), _) => auth::answer(auth::Purpose::Bootstrap, sec, &ch.nonce, rank),
         (None, true) => {
             return Err(Error::Bootstrap(
                 "the server requires a shared secret (set FABRIC_SECRET)".into(),
