@@ -744,3 +744,43 @@ fn an_old_peer_gets_a_version_error() {
     );
     old_server.join().unwrap();
 }
+
+/// 1,000 ranks connecting before the server accepts any are all queued by the kernel (the
+/// listen backlog is raised from std's 128): none waits out SYN retries.
+#[test]
+fn a_thousand_connections_are_queued_before_the_server_runs() {
+    const N: usize = 1000;
+    let need = N as u64 + 64;
+    let have = raise_fd_limit(need);
+    if have < need {
+        skip(
+            "fd-limit",
+            format_args!("{N} connections need {need} open files; the hard limit allows {have}"),
+        );
+        return;
+    }
+    let somaxconn: usize = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0);
+    if somaxconn < N {
+        skip(
+            "somaxconn",
+            format_args!(
+                "net.core.somaxconn is {somaxconn}: the kernel caps the backlog below {N}"
+            ),
+        );
+        return;
+    }
+    let srv = Server::bind("127.0.0.1:0", 2, None).unwrap();
+    let addr = srv.local_addr().unwrap();
+    let start = Instant::now();
+    let conns: Vec<TcpStream> = (0..N)
+        .map(|i| {
+            TcpStream::connect_timeout(&addr, Duration::from_secs(3))
+                .unwrap_or_else(|e| panic!("connection {i} was not queued: {e}"))
+        })
+        .collect();
+    println!("{N} connections queued in {:?}", start.elapsed());
+    drop(conns);
+}
