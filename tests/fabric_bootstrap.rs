@@ -592,7 +592,8 @@ fn a_rank_that_dies_mid_handshake_is_named_everywhere() {
     let scenario = |complete_hello: bool| {
         let mut srv = Server::bind("127.0.0.1:0", N, Some(SECRET)).unwrap();
         let addr = srv.local_addr().unwrap().to_string();
-        let server = std::thread::spawn(move || srv.run(b"r0", Duration::from_secs(3)));
+        // Long enough for the other ranks to join on a loaded host.
+        let server = std::thread::spawn(move || srv.run(b"r0", Duration::from_secs(5)));
         let mut s = TcpStream::connect(&addr).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
         let p = read_challenge(&mut s);
