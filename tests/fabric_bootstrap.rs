@@ -785,3 +785,70 @@ fn a_thousand_connections_are_queued_before_the_server_runs() {
     println!("{N} connections queued in {:?}", start.elapsed());
     drop(conns);
 }
+
+/// A server whose process cannot open a socket per rank (hard limit too low to raise) fails
+/// with a typed error that says what to raise — not a bare `EMFILE`. The server runs in a
+/// child process (this test binary again) whose open-file limit is lowered for good; the
+/// parent makes the connections.
+#[test]
+fn running_out_of_file_descriptors_is_a_clear_error() {
+    const CHILD: &str = "FABRIC_BOOTSTRAP_EMFILE_CHILD";
+    const TEST: &str = "running_out_of_file_descriptors_is_a_clear_error";
+    if std::env::var_os(CHILD).is_some() {
+        let l = libc::rlimit {
+            rlim_cur: 32,
+            rlim_max: 32,
+        };
+        // SAFETY: setrlimit reads one valid rlimit (lowering both limits is always allowed).
+        assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &l) }, 0);
+        let mut srv = Server::bind("127.0.0.1:0", 200, None).unwrap();
+        println!("PORT {}", srv.local_addr().unwrap().port());
+        std::io::Write::flush(&mut std::io::stdout()).unwrap();
+        match srv.run(b"r0", Duration::from_secs(30)) {
+            Err(e) => println!("RESULT {e}"),
+            Ok(_) => println!("RESULT ok"),
+        }
+        return;
+    }
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", TEST, "--nocapture", "--test-threads=1"])
+        .env(CHILD, "1")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    let port = loop {
+        line.clear();
+        assert!(
+            std::io::BufRead::read_line(&mut out, &mut line).unwrap() > 0,
+            "the child ended before printing its port"
+        );
+        // libtest's "test NAME ... " shares the line.
+        if let Some(i) = line.find("PORT ") {
+            break line[i + 5..].trim().parse::<u16>().unwrap();
+        }
+    };
+    // More connections than the child can accept; they wait in its backlog.
+    let conns: Vec<TcpStream> = (0..64)
+        .map(|_| TcpStream::connect(("127.0.0.1", port)).unwrap())
+        .collect();
+    let result = loop {
+        line.clear();
+        assert!(
+            std::io::BufRead::read_line(&mut out, &mut line).unwrap() > 0,
+            "the child ended without a result"
+        );
+        if let Some(i) = line.find("RESULT ") {
+            break line[i + 7..].trim().to_string();
+        }
+    };
+    drop(conns);
+    let status = child.wait().unwrap();
+    println!("child: {result}");
+    assert!(status.success(), "child failed: {status}");
+    assert!(
+        result.contains("out of file descriptors") && result.contains("ulimit -n"),
+        "{result}"
+    );
+}

@@ -199,6 +199,33 @@ pub fn set_listen_backlog(fd: BorrowedFd<'_>, backlog: i32) -> Result<()> {
     cvt("listen", unsafe { libc::listen(fd.as_raw_fd(), backlog) }).map(|_| ())
 }
 
+/// Raises this process's soft limit on open files to at least `want`, as far as the hard
+/// limit allows (never lowers it). Returns `(soft, hard)` as they are afterwards.
+///
+/// # Errors
+/// [`Error::Io`] when `getrlimit` fails (a refused `setrlimit` just leaves the limit).
+pub fn raise_nofile_limit(want: u64) -> Result<(u64, u64)> {
+    let mut l = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit into `l`.
+    cvt("getrlimit", unsafe {
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut l)
+    })?;
+    if l.rlim_cur < want {
+        let raised = libc::rlimit {
+            rlim_cur: want.min(l.rlim_max),
+            rlim_max: l.rlim_max,
+        };
+        // SAFETY: setrlimit reads one valid rlimit; the soft limit stays within the hard.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            l = raised;
+        }
+    }
+    Ok((l.rlim_cur, l.rlim_max))
+}
+
 /// Our effective uid.
 pub fn uid() -> u32 {
     // SAFETY: geteuid cannot fail.

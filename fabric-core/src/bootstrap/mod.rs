@@ -41,6 +41,9 @@ pub const IO_TIMEOUT: Duration = Duration::from_secs(5);
 /// connections delays the others by one [`IO_TIMEOUT`] per `MAX_PENDING` of them.
 pub const MAX_PENDING: usize = 1024;
 
+/// Open files the server leaves for the rest of the process beyond one per rank.
+pub const FD_HEADROOM: u64 = 256;
+
 /// The listen backlog the server asks for (the kernel caps it at `net.core.somaxconn`,
 /// 4096 by default since Linux 5.4): 1,000 ranks connecting at once are queued, not
 /// dropped into SYN retries.
@@ -184,6 +187,12 @@ impl Server {
     /// Binds `addr` (use `127.0.0.1:PORT` unless other hosts must reach it), with a listen
     /// backlog of [`LISTEN_BACKLOG`].
     ///
+    /// The server holds one socket per rank until the table is confirmed, so it raises the
+    /// process's soft limit on open files to `size +` [`FD_HEADROOM`] where that is below
+    /// (as far as the hard limit allows; a 1,000-rank job would otherwise hit the usual
+    /// soft limit of 1,024). If the hard limit is lower, accepting fails with a typed error
+    /// that says so.
+    ///
     /// # Errors
     /// [`Error::Io`] when the address cannot be bound; [`Error::InvalidArgument`] for
     /// `size == 0`.
@@ -191,6 +200,7 @@ impl Server {
         if size == 0 {
             return Err(Error::InvalidArgument("world size 0".into()));
         }
+        crate::sys::raise_nofile_limit(u64::from(size) + FD_HEADROOM)?;
         let listener = TcpListener::bind(addr).map_err(io_err("bootstrap bind"))?;
         crate::sys::set_listen_backlog(listener.as_fd(), LISTEN_BACKLOG)?;
         Ok(Server {
@@ -266,10 +276,11 @@ impl Server {
         let mut pending: Vec<Handshake> = Vec::new();
         let mut fds: Vec<libc::pollfd> = Vec::new();
         let mut missing = n - 1;
-        // What the last poll said: the listener, then `pending[..polled]`, then joined
-        // ranks `1..n`.
+        // What the last poll said: the listener, then `pending[..polled]`, then the joined
+        // ranks `polled_ranks`.
         let mut listener_ready = true;
         let mut polled = 0;
+        let mut polled_ranks: Vec<usize> = Vec::new();
         loop {
             // Handshakes in progress (only those the poll woke, or new ones).
             let now = Instant::now();
@@ -297,11 +308,9 @@ impl Server {
                 }
             }
             // Joined ranks that hung up (or spoke out of turn) give their slot back.
-            if !fds.is_empty() {
-                let base = 1 + polled;
-                for r in 1..n {
-                    let woke = fds.get(base + r - 1).is_some_and(|p| p.revents != 0);
-                    let Some(j) = joined[r].as_mut().filter(|_| woke) else {
+            for (k, &r) in polled_ranks.iter().enumerate() {
+                if fds[1 + polled + k].revents != 0 {
+                    let Some(j) = joined[r].as_mut() else {
                         continue;
                     };
                     if let Some(why) = gone(&mut j.s) {
@@ -326,6 +335,17 @@ impl Server {
                     },
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) => {
+                        let (soft, hard) = crate::sys::raise_nofile_limit(0).unwrap_or((0, 0));
+                        return Err(Error::Bootstrap(format!(
+                            "out of file descriptors with {} of {} ranks joined ({e}): the \
+                             server holds one socket per rank; raise the open-file limit \
+                             (`ulimit -n`; now {soft}, hard limit {hard}) to at least {}",
+                            n - 1 - missing,
+                            n - 1,
+                            n as u64 + FD_HEADROOM
+                        )));
+                    }
                     Err(e) => return Err(Error::io("bootstrap accept", e)),
                 }
             }
@@ -380,11 +400,18 @@ impl Server {
                 revents: 0,
             }));
             polled = pending.len();
-            fds.extend(joined.iter().skip(1).map(|j| libc::pollfd {
-                fd: j.as_ref().map_or(-1, |j| j.s.as_raw_fd()),
-                events: libc::POLLIN,
-                revents: 0,
-            }));
+            // Only ranks that joined: `nfds` above the open-file limit is EINVAL.
+            polled_ranks.clear();
+            for (r, j) in joined.iter().enumerate() {
+                if let Some(j) = j {
+                    polled_ranks.push(r);
+                    fds.push(libc::pollfd {
+                        fd: j.s.as_raw_fd(),
+                        events: libc::POLLIN,
+                        revents: 0,
+                    });
+                }
+            }
             let wait = next
                 .saturating_duration_since(now)
                 .clamp(Duration::from_millis(1), Duration::from_secs(1));
