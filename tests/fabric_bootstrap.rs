@@ -449,7 +449,7 @@ fn a_thousand_ranks_get_the_same_table() {
     let addr = srv.local_addr().unwrap().to_string();
     let start = Instant::now();
     let server = std::thread::spawn(move || {
-        let t = srv.run(&endpoint_sized_blob(0), Duration::from_secs(120));
+        let t = srv.run(&endpoint_sized_blob(0), Duration::from_secs(300));
         (t, srv.refused)
     });
     let joiners = spawn_joiners(
@@ -457,7 +457,7 @@ fn a_thousand_ranks_get_the_same_table() {
         N,
         1..N,
         endpoint_sized_blob,
-        Duration::from_secs(120),
+        Duration::from_secs(300),
     );
     let (t0, refused) = server.join().unwrap();
     let took = start.elapsed();
