@@ -7,7 +7,7 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use fabric_core::bootstrap::{self, wire, Role, Server};
+use fabric_core::bootstrap::{self, auth, wire, Role, Server};
 use fabric_core::{backend::Options, Access, Completion, Error, OpKind, TransportKind};
 
 mod support;
@@ -372,4 +372,538 @@ fn an_unexpected_frame_type_is_refused_from_its_header() {
     );
     let t = bootstrap::join(&addr, 1, 2, None, b"r1", Duration::from_secs(30)).unwrap();
     assert_eq!(server.join().unwrap().unwrap(), t);
+}
+
+/// Raises the soft limit on open files to at least `want` (up to the hard limit); returns
+/// the limit in force.
+fn raise_fd_limit(want: u64) -> u64 {
+    let mut l = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit into `l`.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) }, 0);
+    if l.rlim_cur < want {
+        let raised = libc::rlimit {
+            rlim_cur: want.min(l.rlim_max),
+            rlim_max: l.rlim_max,
+        };
+        // SAFETY: setrlimit reads one valid rlimit; the soft limit stays within the hard.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            println!(
+                "raised the open-file soft limit from {} to {}",
+                l.rlim_cur, raised.rlim_cur
+            );
+            l = raised;
+        }
+    }
+    l.rlim_cur
+}
+
+type Joiner = (
+    u32,
+    std::thread::JoinHandle<fabric_core::Result<Vec<wire::PeerEntry>>>,
+);
+
+/// Ranks `ranks` of `size` join through `join` on threads; rank `r`'s blob is `blob(r)`.
+fn spawn_joiners(
+    addr: &str,
+    size: u32,
+    ranks: impl Iterator<Item = u32>,
+    blob: fn(u32) -> Vec<u8>,
+    timeout: Duration,
+) -> Vec<Joiner> {
+    ranks
+        .map(|r| {
+            let addr = addr.to_string();
+            let h = std::thread::Builder::new()
+                .stack_size(256 << 10)
+                .spawn(move || bootstrap::join(&addr, r, size, Some(SECRET), &blob(r), timeout))
+                .unwrap();
+            (r, h)
+        })
+        .collect()
+}
+
+/// About the size of a real endpoint blob (host id + three listener addresses).
+fn endpoint_sized_blob(r: u32) -> Vec<u8> {
+    format!("rank {r:04} ").repeat(12).into_bytes()
+}
+
+/// 1,000 ranks (rank 0 serving, 999 joining on threads, loopback) complete the exchange with
+/// a secret, and every rank gets the same table.
+#[test]
+fn a_thousand_ranks_get_the_same_table() {
+    const N: u32 = 1000;
+    // Two sockets per joining rank (its own and the server's accepted one), plus headroom.
+    let need = 2 * u64::from(N) + 64;
+    let have = raise_fd_limit(need);
+    if have < need {
+        skip(
+            "fd-limit",
+            format_args!("{N} ranks need {need} open files; the hard limit allows {have}"),
+        );
+        return;
+    }
+    let mut srv = Server::bind("127.0.0.1:0", N, Some(SECRET)).unwrap();
+    let addr = srv.local_addr().unwrap().to_string();
+    let start = Instant::now();
+    let server = std::thread::spawn(move || {
+        let t = srv.run(&endpoint_sized_blob(0), Duration::from_secs(300));
+        (t, srv.refused)
+    });
+    let joiners = spawn_joiners(
+        &addr,
+        N,
+        1..N,
+        endpoint_sized_blob,
+        Duration::from_secs(300),
+    );
+    let (t0, refused) = server.join().unwrap();
+    let took = start.elapsed();
+    let t0 = t0.unwrap_or_else(|e| panic!("the server failed: {e}; refused: {refused:?}"));
+    assert!(refused.is_empty(), "{refused:?}");
+    assert_eq!(t0.len(), N as usize);
+    for (i, e) in t0.iter().enumerate() {
+        assert_eq!(e.rank as usize, i);
+        assert_eq!(e.blob, endpoint_sized_blob(i as u32));
+    }
+    for (r, h) in joiners {
+        let t = h
+            .join()
+            .unwrap()
+            .unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        assert!(t == t0, "rank {r} got another table");
+    }
+    println!(
+        "{N} ranks: rendezvous + table ({} bytes each) + confirmations in {took:?} \
+         (one process, loopback, on a host loaded by other builds: a noisy figure)",
+        wire::encode_table(&t0).len()
+    );
+}
+
+/// While the (large) table is still going out to slow readers, a rank that got its table
+/// and exits at once fails no one: the run and every other rank succeed.
+#[test]
+fn a_rank_that_exits_right_after_its_table_fails_no_one() {
+    const N: u32 = 8;
+    fn big(r: u32) -> Vec<u8> {
+        vec![r as u8; wire::MAX_BLOB] // 8 × 64 KiB: more than a socket buffer holds
+    }
+    let mut srv = Server::bind("127.0.0.1:0", N, Some(SECRET)).unwrap();
+    let addr = srv.local_addr().unwrap().to_string();
+    let server = std::thread::spawn(move || {
+        let t = srv.run(&big(0), Duration::from_secs(60));
+        (t, srv.refused)
+    });
+    // Rank 1 joins normally and its thread ends (socket closed) the moment it has the
+    // table; ranks 2.. read it slowly (see below).
+    let quick = spawn_joiners(&addr, N, 1..2, big, Duration::from_secs(60));
+    let slow: Vec<_> = (2..N)
+        .map(|r| {
+            let addr = addr.clone();
+            std::thread::spawn(move || {
+                let mut s = TcpStream::connect(&addr).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+                let p = read_challenge(&mut s);
+                let nonce: [u8; wire::NONCE_LEN] = p[..wire::NONCE_LEN].try_into().unwrap();
+                send_hello(
+                    &mut s,
+                    r,
+                    N,
+                    auth::answer(auth::Purpose::Bootstrap, SECRET, &nonce, r),
+                    &big(r),
+                );
+                std::thread::sleep(Duration::from_millis(500)); // slow to read
+                let t = bootstrap::read_frame_expecting(&mut s, wire::FrameType::Table).unwrap();
+                let t = wire::decode_table(&t).unwrap();
+                s.write_all(&wire::encode_header(wire::FrameType::Ack, 0))
+                    .unwrap();
+                t
+            })
+        })
+        .collect();
+    let first = quick.into_iter().next().unwrap().1.join().unwrap().unwrap();
+    let (t0, refused) = server.join().unwrap();
+    let t0 = t0.unwrap_or_else(|e| panic!("the run failed: {e}; refused: {refused:?}"));
+    assert_eq!(first, t0);
+    for h in slow {
+        assert_eq!(h.join().unwrap(), t0);
+    }
+}
+
+/// A rank that vanishes during the send — it reads the table's header, then closes without
+/// reading the rest — is named in a typed error; every other rank is still served.
+#[test]
+fn a_rank_that_vanishes_during_the_send_is_named_and_the_others_are_served() {
+    const N: u32 = 6;
+    fn big(r: u32) -> Vec<u8> {
+        vec![r as u8; wire::MAX_BLOB]
+    }
+    let mut srv = Server::bind("127.0.0.1:0", N, Some(SECRET)).unwrap();
+    let addr = srv.local_addr().unwrap().to_string();
+    let server = std::thread::spawn(move || srv.run(&big(0), Duration::from_secs(60)));
+    // Rank 1 (first in line for a one-at-a-time sender) vanishes mid-table.
+    let vanisher = {
+        let addr = addr.clone();
+        std::thread::spawn(move || {
+            let mut s = TcpStream::connect(&addr).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+            let p = read_challenge(&mut s);
+            let nonce: [u8; wire::NONCE_LEN] = p[..wire::NONCE_LEN].try_into().unwrap();
+            send_hello(
+                &mut s,
+                1,
+                N,
+                auth::answer(auth::Purpose::Bootstrap, SECRET, &nonce, 1),
+                &big(1),
+            );
+            let mut h = [0u8; wire::HEADER_LEN];
+            s.read_exact(&mut h).unwrap();
+            assert_eq!(wire::decode_header(&h).unwrap().0, wire::FrameType::Table);
+            // Dropped with unread data: the kernel resets the connection.
+        })
+    };
+    let joiners = spawn_joiners(&addr, N, 2..N, big, Duration::from_secs(60));
+    vanisher.join().unwrap();
+    let e = server.join().unwrap().unwrap_err();
+    println!("{e}");
+    assert!(
+        matches!(&e, Error::RanksLost { ranks, .. } if ranks == &[1]),
+        "expected rank 1 named as lost, got {e}"
+    );
+    for (r, h) in joiners {
+        let t = h
+            .join()
+            .unwrap()
+            .unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        assert_eq!(t.len(), N as usize);
+    }
+}
+
+/// A rank that dies mid-handshake — part of its hello sent, or all of it and then gone
+/// before the others joined — is named by the server's typed error, and every rank still
+/// waiting gets the same typed error (not a bare hang-up). (A rank that dies once the table
+/// is on its way: `a_rank_that_vanishes_during_the_send_...`.)
+#[test]
+fn a_rank_that_dies_mid_handshake_is_named_everywhere() {
+    const N: u32 = 5;
+    const DEAD: u32 = 3;
+    let scenario = |complete_hello: bool| {
+        let mut srv = Server::bind("127.0.0.1:0", N, Some(SECRET)).unwrap();
+        let addr = srv.local_addr().unwrap().to_string();
+        // Long enough for the other ranks to join on a loaded host.
+        let server = std::thread::spawn(move || srv.run(b"r0", Duration::from_secs(5)));
+        let mut s = TcpStream::connect(&addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+        let p = read_challenge(&mut s);
+        let nonce: [u8; wire::NONCE_LEN] = p[..wire::NONCE_LEN].try_into().unwrap();
+        let mac = auth::answer(auth::Purpose::Bootstrap, SECRET, &nonce, DEAD);
+        if complete_hello {
+            send_hello(&mut s, DEAD, N, mac, b"dead");
+        } else {
+            let hello = wire::Hello {
+                rank: DEAD,
+                size: N,
+                mac,
+                blob: b"dead".to_vec(),
+            }
+            .encode();
+            let mut f = wire::encode_header(wire::FrameType::Hello, hello.len()).to_vec();
+            f.extend_from_slice(&hello[..6]);
+            s.write_all(&f).unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(200)); // the server has it
+        drop(s); // dies
+        let joiners = spawn_joiners(
+            &addr,
+            N,
+            (1..N).filter(|r| *r != DEAD),
+            |r| vec![r as u8],
+            Duration::from_secs(30),
+        );
+        let e = server.join().unwrap().unwrap_err();
+        println!("server: {e}");
+        let Error::RanksLost { ranks, reason } = &e else {
+            panic!("expected RanksLost, got {e}");
+        };
+        assert_eq!(ranks, &[DEAD]);
+        let why = if complete_hello {
+            "joined from 127.0.0.1, then left before the table"
+        } else {
+            "never joined"
+        };
+        assert!(reason.contains(&format!("rank {DEAD} {why}")), "{reason}");
+        for (r, h) in joiners {
+            match h.join().unwrap() {
+                Err(Error::RanksLost { ranks, .. }) => assert_eq!(ranks, vec![DEAD], "rank {r}"),
+                other => panic!("rank {r}: expected RanksLost, got {other:?}"),
+            }
+        }
+    };
+    scenario(false);
+    scenario(true);
+}
+
+/// Reads the server's challenge frame; returns its payload.
+fn read_challenge(s: &mut TcpStream) -> Vec<u8> {
+    bootstrap::read_frame_expecting(s, wire::FrameType::Challenge).unwrap()
+}
+
+fn send_hello(s: &mut TcpStream, rank: u32, size: u32, mac: [u8; wire::MAC_LEN], blob: &[u8]) {
+    let hello = wire::Hello {
+        rank,
+        size,
+        mac,
+        blob: blob.to_vec(),
+    }
+    .encode();
+    let mut f = wire::encode_header(wire::FrameType::Hello, hello.len()).to_vec();
+    f.extend_from_slice(&hello);
+    s.write_all(&f).unwrap();
+}
+
+/// The right answer with one bit flipped is refused as a wrong secret; the right answer,
+/// sent by hand, is accepted.
+#[test]
+fn a_tampered_answer_is_refused() {
+    let mut srv = Server::bind("127.0.0.1:0", 2, Some(SECRET)).unwrap();
+    let addr = srv.local_addr().unwrap().to_string();
+    let server = std::thread::spawn(move || {
+        let t = srv.run(b"r0", Duration::from_secs(30));
+        (t, srv.refused)
+    });
+    for flip in [Some(0usize), Some(wire::MAC_LEN * 8 - 1), None] {
+        let mut s = TcpStream::connect(&addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+        let p = read_challenge(&mut s);
+        let nonce: [u8; wire::NONCE_LEN] = p[..wire::NONCE_LEN].try_into().unwrap();
+        let mut mac = auth::answer(auth::Purpose::Bootstrap, SECRET, &nonce, 1);
+        if let Some(bit) = flip {
+            mac[bit / 8] ^= 1 << (bit % 8);
+        }
+        send_hello(&mut s, 1, 2, mac, b"r1");
+        let got = bootstrap::read_frame_expecting(&mut s, wire::FrameType::Table);
+        match flip {
+            Some(bit) => assert!(
+                matches!(&got, Err(Error::Bootstrap(m)) if m.contains("wrong secret")),
+                "bit {bit} flipped: {got:?}"
+            ),
+            None => {
+                let t = wire::decode_table(&got.unwrap()).unwrap();
+                assert_eq!(t[1].blob, b"r1");
+                s.write_all(&wire::encode_header(wire::FrameType::Ack, 0))
+                    .unwrap();
+            }
+        }
+    }
+    let (t, refused) = server.join().unwrap();
+    assert_eq!(t.unwrap().len(), 2);
+    assert_eq!(refused.len(), 2, "{refused:?}");
+}
+
+/// A peer of protocol version 1 (the SipHash MAC) gets a typed version error both ways: the
+/// server refuses its hello, and the client refuses a version-1 server's challenge.
+#[test]
+fn an_old_peer_gets_a_version_error() {
+    let mut srv = Server::bind("127.0.0.1:0", 2, None).unwrap();
+    let addr = srv.local_addr().unwrap().to_string();
+    let server = std::thread::spawn(move || srv.run(b"r0", Duration::from_secs(30)));
+    let hello = wire::Hello {
+        rank: 1,
+        size: 2,
+        mac: [0; wire::MAC_LEN],
+        blob: vec![],
+    }
+    .encode();
+    let mut f = wire::encode_header(wire::FrameType::Hello, hello.len()).to_vec();
+    f[4..6].copy_from_slice(&1u16.to_le_bytes());
+    f.extend_from_slice(&hello);
+    let r = raw_exchange(&addr, &f, false);
+    assert!(r.contains("version 1"), "{r}");
+    let t = bootstrap::join(&addr, 1, 2, None, b"r1", Duration::from_secs(30)).unwrap();
+    assert_eq!(server.join().unwrap().unwrap(), t);
+
+    // A version-1 server: its challenge header says 1.
+    let old = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let old_addr = old.local_addr().unwrap().to_string();
+    let old_server = std::thread::spawn(move || {
+        let (mut s, _) = old.accept().unwrap();
+        let mut h = wire::encode_header(wire::FrameType::Challenge, wire::NONCE_LEN + 4);
+        h[4..6].copy_from_slice(&1u16.to_le_bytes());
+        s.write_all(&h).unwrap();
+        s.write_all(&[0; wire::NONCE_LEN + 4]).unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+    });
+    let e = bootstrap::join(&old_addr, 1, 2, None, b"r1", Duration::from_secs(10)).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Decode(fabric_core::DecodeError::Version { found: 1, .. })
+        ),
+        "{e}"
+    );
+    old_server.join().unwrap();
+}
+
+/// 1,000 ranks connecting before the server accepts any are all queued by the kernel (the
+/// listen backlog is raised from std's 128): none waits out SYN retries.
+#[test]
+fn a_thousand_connections_are_queued_before_the_server_runs() {
+    const N: usize = 1000;
+    let need = N as u64 + 64;
+    let have = raise_fd_limit(need);
+    if have < need {
+        skip(
+            "fd-limit",
+            format_args!("{N} connections need {need} open files; the hard limit allows {have}"),
+        );
+        return;
+    }
+    let somaxconn: usize = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0);
+    if somaxconn < N {
+        skip(
+            "somaxconn",
+            format_args!(
+                "net.core.somaxconn is {somaxconn}: the kernel caps the backlog below {N}"
+            ),
+        );
+        return;
+    }
+    let srv = Server::bind("127.0.0.1:0", 2, None).unwrap();
+    let addr = srv.local_addr().unwrap();
+    let start = Instant::now();
+    let conns: Vec<TcpStream> = (0..N)
+        .map(|i| {
+            TcpStream::connect_timeout(&addr, Duration::from_secs(3))
+                .unwrap_or_else(|e| panic!("connection {i} was not queued: {e}"))
+        })
+        .collect();
+    println!("{N} connections queued in {:?}", start.elapsed());
+    drop(conns);
+}
+
+/// A server whose process cannot open a socket per rank (hard limit too low to raise) fails
+/// with a typed error that says what to raise — not a bare `EMFILE`. The server runs in a
+/// child process (this test binary again) whose open-file limit is lowered for good; the
+/// parent makes the connections.
+#[test]
+fn running_out_of_file_descriptors_is_a_clear_error() {
+    const CHILD: &str = "FABRIC_BOOTSTRAP_EMFILE_CHILD";
+    const TEST: &str = "running_out_of_file_descriptors_is_a_clear_error";
+    if std::env::var_os(CHILD).is_some() {
+        let l = libc::rlimit {
+            rlim_cur: 32,
+            rlim_max: 32,
+        };
+        // SAFETY: setrlimit reads one valid rlimit (lowering both limits is always allowed).
+        assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &l) }, 0);
+        let mut srv = Server::bind("127.0.0.1:0", 200, None).unwrap();
+        println!("PORT {}", srv.local_addr().unwrap().port());
+        std::io::Write::flush(&mut std::io::stdout()).unwrap();
+        match srv.run(b"r0", Duration::from_secs(30)) {
+            Err(e) => println!("RESULT {e}"),
+            Ok(_) => println!("RESULT ok"),
+        }
+        return;
+    }
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", TEST, "--nocapture", "--test-threads=1"])
+        .env(CHILD, "1")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    let port = loop {
+        line.clear();
+        assert!(
+            std::io::BufRead::read_line(&mut out, &mut line).unwrap() > 0,
+            "the child ended before printing its port"
+        );
+        // libtest's "test NAME ... " shares the line.
+        if let Some(i) = line.find("PORT ") {
+            break line[i + 5..].trim().parse::<u16>().unwrap();
+        }
+    };
+    // More connections than the child can accept; they wait in its backlog. Once the child
+    // has failed and exited, further connections are refused: that is fine.
+    let conns: Vec<TcpStream> = (0..64)
+        .map_while(|_| TcpStream::connect(("127.0.0.1", port)).ok())
+        .collect();
+    assert!(conns.len() > 20, "only {} connections made", conns.len());
+    let result = loop {
+        line.clear();
+        assert!(
+            std::io::BufRead::read_line(&mut out, &mut line).unwrap() > 0,
+            "the child ended without a result"
+        );
+        if let Some(i) = line.find("RESULT ") {
+            break line[i + 7..].trim().to_string();
+        }
+    };
+    drop(conns);
+    let status = child.wait().unwrap();
+    println!("child: {result}");
+    assert!(status.success(), "child failed: {status}");
+    assert!(
+        result.contains("out of file descriptors") && result.contains("ulimit -n"),
+        "{result}"
+    );
+}
+
+/// A rank that joins and then never reads its table (alive, connection open) is named once
+/// the deadline passes; the others are served meanwhile, and the run does not wait longer.
+#[test]
+fn a_rank_that_never_takes_its_table_is_named_at_the_deadline() {
+    const N: u32 = 4;
+    const STUCK: u32 = 2;
+    let mut srv = Server::bind("127.0.0.1:0", N, None).unwrap();
+    let addr = srv.local_addr().unwrap().to_string();
+    let server = std::thread::spawn(move || {
+        let start = Instant::now();
+        let r = srv.run(b"r0", Duration::from_secs(2));
+        (r, start.elapsed())
+    });
+    let mut s = TcpStream::connect(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+    read_challenge(&mut s);
+    let hello = wire::Hello {
+        rank: STUCK,
+        size: N,
+        mac: [0; wire::MAC_LEN],
+        blob: b"stuck".to_vec(),
+    }
+    .encode();
+    let mut f = wire::encode_header(wire::FrameType::Hello, hello.len()).to_vec();
+    f.extend_from_slice(&hello);
+    s.write_all(&f).unwrap();
+    let joiners: Vec<_> = (1..N)
+        .filter(|r| *r != STUCK)
+        .map(|r| {
+            let addr = addr.clone();
+            std::thread::spawn(move || {
+                bootstrap::join(&addr, r, N, None, b"ok", Duration::from_secs(30))
+            })
+        })
+        .collect();
+    for j in joiners {
+        assert_eq!(j.join().unwrap().unwrap().len(), N as usize);
+    }
+    let (r, took) = server.join().unwrap();
+    drop(s); // only now: it held its connection open all along
+    let e = r.unwrap_err();
+    println!("after {took:?}: {e}");
+    assert!(
+        matches!(&e, Error::RanksLost { ranks, reason }
+            if ranks == &[STUCK] && reason.contains("did not confirm it in time")),
+        "{e}"
+    );
+    assert!(
+        took < Duration::from_secs(20),
+        "the run waited {took:?} for a stuck rank"
+    );
 }

@@ -137,6 +137,16 @@ pub enum Error {
     /// The bootstrap failed (wrong secret, rank mismatch, timeout, ...).
     #[error("bootstrap: {0}")]
     Bootstrap(String),
+    /// Bootstrap ranks were lost: they never joined, joined and left before the table was
+    /// sent, or vanished before they confirmed receiving it. Every other rank was served
+    /// (or, when the table could not be built, told why).
+    #[error("bootstrap: lost rank(s) {ranks:?}: {reason}")]
+    RanksLost {
+        /// Every lost rank, ascending.
+        ranks: Vec<u32>,
+        /// What happened to each.
+        reason: String,
+    },
     /// A transport is not usable on this machine; the message says why and what to install.
     #[error("{transport} transport unavailable: {reason}")]
     Unavailable {

@@ -170,6 +170,62 @@ pub fn peer_hung_up(fd: BorrowedFd<'_>) -> bool {
     r > 0 && p.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR | libc::POLLNVAL) != 0
 }
 
+/// `poll(2)` over many descriptors: waits until one has an event or `timeout` passes and
+/// returns how many have events (`revents` set). EINTR is a spurious wake-up (returns 0).
+///
+/// # Errors
+/// [`Error::Io`] when `poll` fails otherwise.
+pub fn poll_fds(fds: &mut [libc::pollfd], timeout: Duration) -> Result<usize> {
+    let ms = timeout.as_millis().min(i32::MAX as u128) as libc::c_int;
+    // SAFETY: `fds` is a valid, exclusively borrowed slice of pollfd of the length passed.
+    let r = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+    if r < 0 {
+        let e = io::Error::last_os_error();
+        if e.kind() == io::ErrorKind::Interrupted {
+            return Ok(0);
+        }
+        return Err(Error::io("poll", e));
+    }
+    Ok(r as usize)
+}
+
+/// Sets the accept backlog of a listening socket (`listen(2)` again; the kernel caps it at
+/// `net.core.somaxconn`).
+///
+/// # Errors
+/// [`Error::Io`] when `listen` fails.
+pub fn set_listen_backlog(fd: BorrowedFd<'_>, backlog: i32) -> Result<()> {
+    // SAFETY: `fd` is an open socket; listen only changes its backlog.
+    cvt("listen", unsafe { libc::listen(fd.as_raw_fd(), backlog) }).map(|_| ())
+}
+
+/// Raises this process's soft limit on open files to at least `want`, as far as the hard
+/// limit allows (never lowers it). Returns `(soft, hard)` as they are afterwards.
+///
+/// # Errors
+/// [`Error::Io`] when `getrlimit` fails (a refused `setrlimit` just leaves the limit).
+pub fn raise_nofile_limit(want: u64) -> Result<(u64, u64)> {
+    let mut l = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit into `l`.
+    cvt("getrlimit", unsafe {
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut l)
+    })?;
+    if l.rlim_cur < want {
+        let raised = libc::rlimit {
+            rlim_cur: want.min(l.rlim_max),
+            rlim_max: l.rlim_max,
+        };
+        // SAFETY: setrlimit reads one valid rlimit; the soft limit stays within the hard.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            l = raised;
+        }
+    }
+    Ok((l.rlim_cur, l.rlim_max))
+}
+
 /// Our effective uid.
 pub fn uid() -> u32 {
     // SAFETY: geteuid cannot fail.

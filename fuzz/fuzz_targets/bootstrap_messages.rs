@@ -1,12 +1,13 @@
-//! Every bootstrap decoder (frame header, challenge, hello, rank table, endpoint info) on
+//! Every bootstrap decoder (frame header, challenge, hello, rank table, lost ranks,
+//! endpoint info) on
 //! bytes from a peer: a typed error or a value, never a panic, and whatever decodes
 //! re-encodes to the same bytes. Structured values (from the same input) round-trip too.
 #![no_main]
 
 use arbitrary::{Arbitrary, Unstructured};
 use fabric_core::bootstrap::wire::{
-    decode_header, decode_table, encode_header, encode_table, Challenge, EndpointInfo, Hello,
-    PeerEntry, HEADER_LEN, MAC_LEN, MAX_BLOB,
+    decode_header, decode_table, encode_header, encode_table, Challenge, EndpointInfo, Hello, Lost,
+    PeerEntry, HEADER_LEN, MAC_LEN, MAX_BLOB, MAX_ERROR, MAX_LOST,
 };
 use libfuzzer_sys::fuzz_target;
 
@@ -24,6 +25,10 @@ enum Msg {
         host: String,
         rdma: bool,
         addrs: Vec<String>,
+    },
+    Lost {
+        ranks: Vec<u32>,
+        reason: String,
     },
 }
 
@@ -50,6 +55,10 @@ fn raw(data: &[u8]) {
     }
     if let Ok(i) = EndpointInfo::decode(data) {
         assert_eq!(i.encode(), data);
+    }
+    if let Ok(l) = Lost::decode(data) {
+        assert!(l.ranks.len() <= MAX_LOST && l.reason.len() <= MAX_ERROR);
+        assert_eq!(l.encode(), data);
     }
 }
 
@@ -104,6 +113,15 @@ fn structured(m: Msg) {
                 Ok(d) if valid => assert_eq!(d, i),
                 Ok(_) => {}
                 Err(e) => assert!(!valid, "valid endpoint info refused: {e}"),
+            }
+        }
+        Msg::Lost { ranks, reason } => {
+            let l = Lost { ranks, reason };
+            // Over-long lists and texts are cut when encoded: what decodes is a prefix.
+            let d = Lost::decode(&l.encode()).expect("an encoded Lost frame must decode");
+            assert!(l.ranks.starts_with(&d.ranks) && l.reason.starts_with(&d.reason));
+            if l.ranks.len() <= MAX_LOST && l.reason.len() <= MAX_ERROR {
+                assert_eq!(d, l);
             }
         }
     }

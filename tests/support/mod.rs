@@ -11,7 +11,8 @@
 //! example binaries built next to the test binaries), `cc` (a C compiler for stand-in
 //! drivers), `gpu` (a CUDA driver and GPU; `NVLINK_P2P_REQUIRE_GPU=1` requires it too),
 //! `no-gpu` (a machine without one), `non-loopback-ipv4` (an IPv4 address other than
-//! 127.0.0.0/8, to cross two addresses).
+//! 127.0.0.0/8, to cross two addresses), `fd-limit` (a hard open-file limit high enough for
+//! 1,000 sockets), `somaxconn` (a kernel listen backlog of at least 1,000).
 
 /// Says why a test did not run — `skipped: <why> [lacks <capability>] [<test>]`, past
 /// libtest's output capture so that `cargo test` shows it — or, where `FABRIC_REQUIRE` names

@@ -1,8 +1,13 @@
 //! Challenge–response for the optional shared secret.
 //!
-//! The server sends a fresh random nonce; the client answers with a 128-bit keyed hash
-//! (SipHash-2-4, keyed by a key derived from the secret) of the nonce and its rank; the
-//! server compares in constant time.
+//! The server sends a fresh random nonce; the client answers with HMAC-SHA256 (RustCrypto's
+//! `hmac` + `sha2`), keyed by the secret, over a label naming the protocol, the nonce and
+//! its rank, truncated to its first [`MAC_LEN`] bytes (128 bits, as RFC 2104 §5 allows and
+//! RFC 4231 test case 5 exercises); the server verifies in constant time through the `hmac`
+//! crate. The tcp backend's connection proof is the same construction under its own label
+//! ([`Purpose::Tcp`], through [`response`]), with the connection role in place of the rank:
+//! an answer given in one protocol proves nothing in the other, so a squatter on the
+//! rendezvous port cannot relay a rank's answer into a tcp connection of the job.
 //!
 //! What it protects against: strangers and stray jobs that do not know the secret (port
 //! scanners, another job's ranks reusing the port, a misconfigured launcher) — they are
@@ -12,106 +17,167 @@
 //! channel encryption or integrity), or offline guessing of a low-entropy secret from an
 //! observed nonce/answer pair. Use a long random secret, and a private network.
 
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
 use super::wire::{MAC_LEN, NONCE_LEN};
 
-fn sipround(v: &mut [u64; 4]) {
-    v[0] = v[0].wrapping_add(v[1]);
-    v[1] = v[1].rotate_left(13);
-    v[1] ^= v[0];
-    v[0] = v[0].rotate_left(32);
-    v[2] = v[2].wrapping_add(v[3]);
-    v[3] = v[3].rotate_left(16);
-    v[3] ^= v[2];
-    v[0] = v[0].wrapping_add(v[3]);
-    v[3] = v[3].rotate_left(21);
-    v[3] ^= v[0];
-    v[2] = v[2].wrapping_add(v[1]);
-    v[1] = v[1].rotate_left(17);
-    v[1] ^= v[2];
-    v[2] = v[2].rotate_left(32);
+type HmacSha256 = Hmac<Sha256>;
+
+/// Which protocol an answer is for; each has its own label in the MAC input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Purpose {
+    /// The bootstrap rendezvous (the id is the joining rank).
+    Bootstrap,
+    /// The tcp transport's connection proof (the id is the prover's role: listener 0,
+    /// connector 1).
+    Tcp,
 }
 
-/// SipHash-2-4 of `msg` under the 128-bit key `(k0, k1)`.
-pub fn siphash24(k0: u64, k1: u64, msg: &[u8]) -> u64 {
-    let mut v = [
-        k0 ^ 0x736f_6d65_7073_6575,
-        k1 ^ 0x646f_7261_6e64_6f6d,
-        k0 ^ 0x6c79_6765_6e65_7261,
-        k1 ^ 0x7465_6462_7974_6573,
-    ];
-    let mut chunks = msg.chunks_exact(8);
-    for c in &mut chunks {
-        let m = u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]);
-        v[3] ^= m;
-        sipround(&mut v);
-        sipround(&mut v);
-        v[0] ^= m;
+impl Purpose {
+    fn label(self) -> &'static [u8] {
+        match self {
+            Purpose::Bootstrap => b"fabric-bootstrap-v2",
+            Purpose::Tcp => b"fabric-tcp-proof-v2",
+        }
     }
-    let rest = chunks.remainder();
-    let mut last = (msg.len() as u64 & 0xff) << 56;
-    for (i, b) in rest.iter().enumerate() {
-        last |= (*b as u64) << (8 * i);
-    }
-    v[3] ^= last;
-    sipround(&mut v);
-    sipround(&mut v);
-    v[0] ^= last;
-    v[2] ^= 0xff;
-    for _ in 0..4 {
-        sipround(&mut v);
-    }
-    v[0] ^ v[1] ^ v[2] ^ v[3]
 }
 
-/// The answer to `nonce` for `rank` under `secret`.
-pub fn response(secret: &[u8], nonce: &[u8; NONCE_LEN], rank: u32) -> [u8; MAC_LEN] {
-    let k0 = siphash24(0x6661_6272_6963_2d6b, 0x6b30, secret);
-    let k1 = siphash24(0x6661_6272_6963_2d6b, 0x6b31, secret);
-    let mut msg = Vec::with_capacity(NONCE_LEN + 24);
-    msg.extend_from_slice(b"fabric-bootstrap-v1");
-    msg.extend_from_slice(nonce);
-    msg.extend_from_slice(&rank.to_le_bytes());
-    let a = siphash24(k0, k1, &msg);
-    msg.push(1);
-    let b = siphash24(k0, k1, &msg);
+fn keyed(purpose: Purpose, secret: &[u8], nonce: &[u8; NONCE_LEN], id: u32) -> HmacSha256 {
+    // HMAC accepts a key of any length (longer keys are hashed first), so this cannot fail.
+    let mut m = <HmacSha256 as Mac>::new_from_slice(secret).expect("HMAC takes keys of any length");
+    m.update(purpose.label());
+    m.update(nonce);
+    m.update(&id.to_le_bytes());
+    m
+}
+
+/// The answer to `nonce` for `id` under `secret`: HMAC-SHA256 over the purpose's label,
+/// the nonce and `id` (little-endian), truncated to [`MAC_LEN`] bytes.
+pub fn answer(purpose: Purpose, secret: &[u8], nonce: &[u8; NONCE_LEN], id: u32) -> [u8; MAC_LEN] {
+    let full = keyed(purpose, secret, nonce, id).finalize().into_bytes();
     let mut out = [0u8; MAC_LEN];
-    out[..8].copy_from_slice(&a.to_le_bytes());
-    out[8..].copy_from_slice(&b.to_le_bytes());
+    out.copy_from_slice(&full[..MAC_LEN]);
     out
 }
 
-/// Constant-time equality (no early exit on the first differing byte).
+/// Whether `got` is the right answer to `nonce` for `id` under `secret`, compared in
+/// constant time (the `hmac` crate's verification, through `subtle`). An answer of any
+/// other length than [`MAC_LEN`] is refused.
+pub fn verify(
+    purpose: Purpose,
+    secret: &[u8],
+    nonce: &[u8; NONCE_LEN],
+    id: u32,
+    got: &[u8],
+) -> bool {
+    got.len() == MAC_LEN
+        && keyed(purpose, secret, nonce, id)
+            .verify_truncated_left(got)
+            .is_ok()
+}
+
+/// The tcp transport's proof for `role`: [`answer`] with [`Purpose::Tcp`] (the name the tcp
+/// backend calls).
+pub fn response(secret: &[u8], nonce: &[u8; NONCE_LEN], role: u32) -> [u8; MAC_LEN] {
+    answer(Purpose::Tcp, secret, nonce, role)
+}
+
+/// Constant-time equality of two byte strings of the same length (`subtle`); different
+/// lengths are unequal (the lengths themselves are public).
 pub fn ct_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    let mut d = 0u8;
-    for (x, y) in a.iter().zip(b) {
-        d |= x ^ y;
-    }
-    std::hint::black_box(d) == 0
+    use subtle::ConstantTimeEq;
+    a.len() == b.len() && bool::from(a.ct_eq(b))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn hex(s: &str) -> Vec<u8> {
+        (0..s.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+            .collect()
+    }
+
+    fn hmac_sha256(key: &[u8], msg: &[u8]) -> Vec<u8> {
+        let mut m = <HmacSha256 as Mac>::new_from_slice(key).unwrap();
+        m.update(msg);
+        m.finalize().into_bytes().to_vec()
+    }
+
+    /// RFC 4231 test cases 1, 2 and 5 (truncation to 128 bits). The expected values were
+    /// computed independently with Python's standard library —
+    /// `python3 -c 'import hmac,hashlib; print(hmac.new(KEY, MSG, hashlib.sha256).hexdigest())'`
+    /// — and agree with the RFC's published values.
     #[test]
-    fn siphash_reference_vector() {
-        // The SipHash paper's test vector: key 00..0f, message 00..0e.
-        let k0 = u64::from_le_bytes([0, 1, 2, 3, 4, 5, 6, 7]);
-        let k1 = u64::from_le_bytes([8, 9, 10, 11, 12, 13, 14, 15]);
-        let msg: Vec<u8> = (0..15).collect();
-        assert_eq!(siphash24(k0, k1, &msg), 0xa129_ca61_49be_45e5);
+    fn hmac_sha256_matches_rfc_4231() {
+        assert_eq!(
+            hmac_sha256(&[0x0b; 20], b"Hi There"),
+            hex("b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7")
+        );
+        assert_eq!(
+            hmac_sha256(b"Jefe", b"what do ya want for nothing?"),
+            hex("5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843")
+        );
+        assert_eq!(
+            hmac_sha256(&[0x0c; 20], b"Test With Truncation")[..16],
+            hex("a3b6167473100ee06e0c796c2955552b")[..]
+        );
+    }
+
+    /// Our construction, label ‖ nonce ‖ id (LE), against values computed independently:
+    /// `python3 -c 'import hmac,hashlib; print(hmac.new(b"correct horse battery staple",
+    /// LABEL + bytes(range(16)) + (7).to_bytes(4, "little"), hashlib.sha256).hexdigest()[:32])'`
+    /// with LABEL `b"fabric-bootstrap-v2"` and `b"fabric-tcp-proof-v2"`.
+    #[test]
+    fn answers_known_answer() {
+        let secret = b"correct horse battery staple";
+        let nonce: [u8; NONCE_LEN] = core::array::from_fn(|i| i as u8);
+        let b = answer(Purpose::Bootstrap, secret, &nonce, 7);
+        assert_eq!(b[..], hex("2125a3e60824e2f7f383bc15a117f976")[..]);
+        assert!(verify(Purpose::Bootstrap, secret, &nonce, 7, &b));
+        let t = response(secret, &nonce, 7);
+        assert_eq!(t[..], hex("397ec14bdfd0d9480237adcfc556f42b")[..]);
+        assert_eq!(t, answer(Purpose::Tcp, secret, &nonce, 7));
+        // One protocol's answer proves nothing in the other.
+        assert!(!verify(Purpose::Tcp, secret, &nonce, 7, &b));
+        assert!(!verify(Purpose::Bootstrap, secret, &nonce, 7, &t));
     }
 
     #[test]
-    fn responses_differ_by_secret_nonce_and_rank() {
+    fn wrong_secret_nonce_or_id_is_refused() {
+        let p = Purpose::Bootstrap;
         let n = [1u8; NONCE_LEN];
-        let r = response(b"s3cret", &n, 1);
-        assert!(ct_eq(&r, &response(b"s3cret", &n, 1)));
-        assert!(!ct_eq(&r, &response(b"s3cret!", &n, 1)));
-        assert!(!ct_eq(&r, &response(b"s3cret", &[2; NONCE_LEN], 1)));
-        assert!(!ct_eq(&r, &response(b"s3cret", &n, 2)));
+        let r = answer(p, b"s3cret", &n, 1);
+        assert!(verify(p, b"s3cret", &n, 1, &r));
+        assert!(ct_eq(&r, &answer(p, b"s3cret", &n, 1)));
+        assert!(!verify(p, b"s3cret!", &n, 1, &r), "wrong secret accepted");
+        assert!(!verify(p, b"", &n, 1, &r), "empty secret accepted");
+        assert!(!verify(p, b"s3cret", &[2; NONCE_LEN], 1, &r), "other nonce");
+        assert!(!verify(p, b"s3cret", &n, 2, &r), "other rank");
+        assert!(!ct_eq(&r, &answer(p, b"s3cret!", &n, 1)));
+    }
+
+    #[test]
+    fn tampered_or_resized_answers_are_refused() {
+        let p = Purpose::Bootstrap;
+        let n = [9u8; NONCE_LEN];
+        let r = answer(p, b"k", &n, 3);
+        for i in 0..MAC_LEN {
+            for bit in 0..8 {
+                let mut t = r;
+                t[i] ^= 1 << bit;
+                assert!(!verify(p, b"k", &n, 3, &t), "flipped bit {bit} of byte {i}");
+                assert!(!ct_eq(&r, &t));
+            }
+        }
+        assert!(!verify(p, b"k", &n, 3, &r[..MAC_LEN - 1]), "short answer");
+        assert!(!verify(p, b"k", &n, 3, &[]), "empty answer");
+        let mut long = r.to_vec();
+        long.push(0);
+        assert!(!verify(p, b"k", &n, 3, &long), "long answer");
+        assert!(!ct_eq(&r, &long));
     }
 }

@@ -5,7 +5,8 @@ use crate::error::{Error, Result};
 /// Which launcher the values came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Launcher {
-    /// Slurm `srun` (`SLURM_PROCID` / `SLURM_NTASKS`).
+    /// Slurm `srun` (`SLURM_PROCID` / `SLURM_NTASKS`, else `SLURM_STEP_NUM_TASKS`, else
+    /// the older `SLURM_NPROCS`).
     Slurm,
     /// Open MPI `mpirun` (`OMPI_COMM_WORLD_RANK` / `OMPI_COMM_WORLD_SIZE`).
     OpenMpi,
@@ -63,19 +64,28 @@ impl Launch {
     /// # Errors
     /// [`Error::InvalidArgument`] when a launcher's variables are present but malformed.
     pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Option<Self>> {
-        let table = [
+        // In order of precedence: an MPI launcher inside a Slurm allocation sets both, and
+        // its own variables describe the job; the generic RANK / WORLD_SIZE come last.
+        let table: [(Launcher, &str, &[&str]); 4] = [
             (
                 Launcher::OpenMpi,
                 "OMPI_COMM_WORLD_RANK",
-                "OMPI_COMM_WORLD_SIZE",
+                &["OMPI_COMM_WORLD_SIZE"],
             ),
-            (Launcher::Pmi, "PMI_RANK", "PMI_SIZE"),
-            (Launcher::Slurm, "SLURM_PROCID", "SLURM_NTASKS"),
-            (Launcher::Torchrun, "RANK", "WORLD_SIZE"),
+            (Launcher::Pmi, "PMI_RANK", &["PMI_SIZE"]),
+            (
+                Launcher::Slurm,
+                "SLURM_PROCID",
+                &["SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "SLURM_NPROCS"],
+            ),
+            (Launcher::Torchrun, "RANK", &["WORLD_SIZE"]),
         ];
         let explicit_server = get("FABRIC_BOOTSTRAP");
-        for (launcher, r, s) in table {
-            let (Some(rank), Some(size)) = (get(r), get(s)) else {
+        for (launcher, r, sizes) in table {
+            let Some((s, size)) = sizes.iter().find_map(|s| get(s).map(|v| (*s, v))) else {
+                continue;
+            };
+            let Some(rank) = get(r) else {
                 continue;
             };
             let parse = |name: &str, v: &str| {
@@ -150,7 +160,114 @@ mod tests {
     }
 
     #[test]
+    fn rendezvous_address_per_launcher() {
+        // Slurm, Open MPI and PMI give no address: FABRIC_BOOTSTRAP does.
+        for (r, s) in [
+            ("SLURM_PROCID", "SLURM_NTASKS"),
+            ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+            ("PMI_RANK", "PMI_SIZE"),
+        ] {
+            let l = Launch::from_vars(env(&[(r, "1"), (s, "2")]))
+                .unwrap()
+                .unwrap();
+            assert_eq!(l.server, None, "{r}");
+            let l = Launch::from_vars(env(&[(r, "1"), (s, "2"), ("FABRIC_BOOTSTRAP", "h:1")]))
+                .unwrap()
+                .unwrap();
+            assert_eq!(l.server.as_deref(), Some("h:1"), "{r}");
+        }
+        // torchrun: MASTER_ADDR:MASTER_PORT wins over FABRIC_BOOTSTRAP; with either
+        // missing, FABRIC_BOOTSTRAP is used.
+        let base = [
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("FABRIC_BOOTSTRAP", "fb:9"),
+        ];
+        let with = |extra: &[(&'static str, &'static str)]| {
+            let mut v = base.to_vec();
+            v.extend_from_slice(extra);
+            Launch::from_vars(env(&v)).unwrap().unwrap().server
+        };
+        assert_eq!(
+            with(&[("MASTER_ADDR", "m"), ("MASTER_PORT", "29500")]).as_deref(),
+            Some("m:29500")
+        );
+        assert_eq!(with(&[("MASTER_ADDR", "m")]).as_deref(), Some("fb:9"));
+        assert_eq!(with(&[("MASTER_PORT", "1")]).as_deref(), Some("fb:9"));
+    }
+
+    #[test]
+    fn precedence_and_partial_sets() {
+        // mpirun inside a Slurm allocation, with torchrun-style variables too: Open MPI's
+        // own variables describe the job.
+        let l = Launch::from_vars(env(&[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "1"),
+            ("RANK", "7"),
+            ("WORLD_SIZE", "9"),
+            ("OMPI_COMM_WORLD_RANK", "2"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!((l.launcher, l.rank, l.size), (Launcher::OpenMpi, 2, 4));
+        // Slurm beats the generic RANK / WORLD_SIZE.
+        let l = Launch::from_vars(env(&[
+            ("RANK", "7"),
+            ("WORLD_SIZE", "9"),
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "6"),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!((l.launcher, l.rank, l.size), (Launcher::Slurm, 5, 6));
+        // Slurm's size from the step (or the old name) when SLURM_NTASKS is absent.
+        for s in ["SLURM_STEP_NUM_TASKS", "SLURM_NPROCS"] {
+            let l = Launch::from_vars(env(&[("SLURM_PROCID", "3"), (s, "4")]))
+                .unwrap()
+                .unwrap();
+            assert_eq!((l.launcher, l.rank, l.size), (Launcher::Slurm, 3, 4), "{s}");
+        }
+        // Half a pair is no launcher: a rank without a size (or the reverse) is skipped.
+        assert_eq!(
+            Launch::from_vars(env(&[("SLURM_PROCID", "1")])).unwrap(),
+            None
+        );
+        assert_eq!(
+            Launch::from_vars(env(&[("WORLD_SIZE", "4")])).unwrap(),
+            None
+        );
+        let l = Launch::from_vars(env(&[
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!(l.launcher, Launcher::Torchrun);
+        // Surrounding whitespace is tolerated.
+        let l = Launch::from_vars(env(&[("PMI_RANK", " 1 "), ("PMI_SIZE", "2\n")]))
+            .unwrap()
+            .unwrap();
+        assert_eq!((l.rank, l.size), (1, 2));
+    }
+
+    #[test]
     fn malformed_values_are_errors() {
+        for (r, s) in [
+            ("", "2"),
+            ("-1", "2"),
+            ("1", "0"),
+            ("0", "0"),
+            ("1", "4294967296"),
+            ("0x1", "2"),
+        ] {
+            let e = Launch::from_vars(env(&[("SLURM_PROCID", r), ("SLURM_NTASKS", s)]));
+            assert!(
+                matches!(e, Err(Error::InvalidArgument(_))),
+                "SLURM_PROCID={r:?} SLURM_NTASKS={s:?}: {e:?}"
+            );
+        }
         assert!(Launch::from_vars(env(&[("RANK", "x"), ("WORLD_SIZE", "2")])).is_err());
         assert!(Launch::from_vars(env(&[("PMI_RANK", "4"), ("PMI_SIZE", "4")])).is_err());
         assert!(Launch::explicit(2, 2, None).is_err());

@@ -10,8 +10,11 @@ use crate::error::DecodeError;
 
 /// Frame magic ("FBBS").
 pub const MAGIC: u32 = 0x5342_4246;
-/// The protocol version this build speaks.
-pub const VERSION: u16 = 1;
+/// The protocol version this build speaks. Version 2: the secret's answer is
+/// HMAC-SHA256 (version 1 used a hand-written SipHash), and a rank confirms the table with
+/// an [`FrameType::Ack`]. A peer of another version gets [`DecodeError::Version`] from the
+/// first header it reads.
+pub const VERSION: u16 = 2;
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 12;
 /// Largest endpoint blob a rank may publish.
@@ -24,6 +27,8 @@ pub const NONCE_LEN: usize = 16;
 pub const MAC_LEN: usize = 16;
 /// Largest error text.
 pub const MAX_ERROR: usize = 1024;
+/// Most ranks a [`Lost`] frame names (its text may summarise more).
+pub const MAX_LOST: usize = 4096;
 
 /// Frame types.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,6 +41,11 @@ pub enum FrameType {
     Table = 3,
     /// Either way: a refusal with a reason.
     Error = 4,
+    /// Client → server, empty: the table arrived complete (the server counts the rank as
+    /// served only then).
+    Ack = 5,
+    /// Server → client: the run failed because ranks were lost ([`Lost`]).
+    Lost = 6,
 }
 
 impl FrameType {
@@ -45,6 +55,8 @@ impl FrameType {
             2 => FrameType::Hello,
             3 => FrameType::Table,
             4 => FrameType::Error,
+            5 => FrameType::Ack,
+            6 => FrameType::Lost,
             _ => return None,
         })
     }
@@ -55,6 +67,8 @@ impl FrameType {
             FrameType::Hello => 8 + MAC_LEN + MAX_BLOB,
             FrameType::Table => MAX_TABLE,
             FrameType::Error => MAX_ERROR,
+            FrameType::Ack => 0,
+            FrameType::Lost => 4 + 4 * MAX_LOST + MAX_ERROR,
         }
     }
 }
@@ -217,6 +231,74 @@ impl Hello {
             mac,
             blob: blob.to_vec(),
         })
+    }
+}
+
+/// Lost payload: the ranks whose loss failed the run (ascending), and what happened.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lost {
+    /// The lost ranks (at most [`MAX_LOST`] travel).
+    pub ranks: Vec<u32>,
+    /// What happened to them (at most [`MAX_ERROR`] bytes travel).
+    pub reason: String,
+}
+
+impl Lost {
+    /// Encodes the payload: `n: u32`, `n` ranks (`u32` each), the reason's UTF-8 bytes
+    /// (cut at a character boundary to [`MAX_ERROR`]).
+    pub fn encode(&self) -> Vec<u8> {
+        let ranks = &self.ranks[..self.ranks.len().min(MAX_LOST)];
+        let mut cut = self.reason.len().min(MAX_ERROR);
+        while !self.reason.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let mut v = Vec::with_capacity(4 + 4 * ranks.len() + cut);
+        v.extend_from_slice(&(ranks.len() as u32).to_le_bytes());
+        for r in ranks {
+            v.extend_from_slice(&r.to_le_bytes());
+        }
+        v.extend_from_slice(&self.reason.as_bytes()[..cut]);
+        v
+    }
+
+    /// Decodes the payload.
+    ///
+    /// # Errors
+    /// Truncation, more than [`MAX_LOST`] ranks, a reason over [`MAX_ERROR`] bytes or not
+    /// UTF-8.
+    pub fn decode(b: &[u8]) -> Result<Self, DecodeError> {
+        const W: &str = "bootstrap lost-ranks frame";
+        if b.len() < 4 {
+            return Err(trunc(W, 4, b.len()));
+        }
+        let n = rd_u32(b, 0) as usize;
+        if n > MAX_LOST {
+            return Err(DecodeError::TooLong {
+                what: "bootstrap lost-ranks list",
+                len: n as u64,
+                max: MAX_LOST as u64,
+            });
+        }
+        let need = 4 + 4 * n;
+        if b.len() < need {
+            return Err(trunc(W, need, b.len()));
+        }
+        let ranks = (0..n).map(|i| rd_u32(b, 4 + 4 * i)).collect();
+        let text = &b[need..];
+        if text.len() > MAX_ERROR {
+            return Err(DecodeError::TooLong {
+                what: "bootstrap lost-ranks reason",
+                len: text.len() as u64,
+                max: MAX_ERROR as u64,
+            });
+        }
+        let reason = std::str::from_utf8(text)
+            .map_err(|_| DecodeError::Invalid {
+                what: "bootstrap lost-ranks reason encoding",
+                value: text.len() as u64,
+            })?
+            .to_string();
+        Ok(Lost { ranks, reason })
     }
 }
 
@@ -469,6 +551,58 @@ mod tests {
             secret_required: true,
         };
         assert_eq!(Challenge::decode(&c.encode()).unwrap(), c);
+        let l = Lost {
+            ranks: vec![3, 999],
+            reason: "rank 3: never joined; rank 999: hung up".into(),
+        };
+        assert_eq!(Lost::decode(&l.encode()).unwrap(), l);
+        // A long reason is cut at a character boundary, and still decodes.
+        let long = Lost {
+            ranks: vec![1],
+            reason: "é".repeat(MAX_ERROR),
+        };
+        let d = Lost::decode(&long.encode()).unwrap();
+        assert!(d.reason.len() <= MAX_ERROR && long.reason.starts_with(&d.reason));
+    }
+
+    #[test]
+    fn another_protocol_version_is_a_version_error() {
+        // Version 1 (the SipHash MAC, no Ack) must not be half-understood.
+        let mut h = encode_header(FrameType::Challenge, NONCE_LEN + 4);
+        h[4..6].copy_from_slice(&1u16.to_le_bytes());
+        assert!(
+            matches!(
+                decode_header(&h),
+                Err(DecodeError::Version {
+                    found: 1,
+                    expected: 2,
+                    ..
+                })
+            ),
+            "{:?}",
+            decode_header(&h)
+        );
+        // An Ack carries nothing.
+        assert!(matches!(
+            decode_header(&encode_header(FrameType::Ack, 1)),
+            Err(DecodeError::TooLong { .. })
+        ));
+        assert_eq!(
+            decode_header(&encode_header(FrameType::Ack, 0)).unwrap(),
+            (FrameType::Ack, 0)
+        );
+        // Lost frames: too many ranks, truncated lists, bad text.
+        let mut b = ((MAX_LOST + 1) as u32).to_le_bytes().to_vec();
+        b.resize(4 + 4 * (MAX_LOST + 1), 0);
+        assert!(matches!(Lost::decode(&b), Err(DecodeError::TooLong { .. })));
+        assert!(matches!(
+            Lost::decode(&[2, 0, 0, 0, 1, 0, 0, 0]),
+            Err(DecodeError::Truncated { .. })
+        ));
+        assert!(matches!(
+            Lost::decode(&[0, 0, 0, 0, 0xff]),
+            Err(DecodeError::Invalid { .. })
+        ));
     }
 
     #[test]
