@@ -10,6 +10,7 @@
 
 pub mod auth;
 pub mod launcher;
+pub mod mesh;
 pub mod wire;
 
 use std::io::{self, Read, Write};
@@ -22,6 +23,7 @@ use crate::transport::{Transport, TransportKind};
 use wire::{Challenge, EndpointInfo, FrameType, Hello, PeerEntry, HEADER_LEN, MAC_LEN, NONCE_LEN};
 
 pub use launcher::{Launch, Launcher};
+pub use mesh::{connect_mesh, mesh_from_launch, Mesh, MeshOptions, Rendezvous};
 
 /// Per-connection read/write timeout of the rendezvous server.
 pub const IO_TIMEOUT: Duration = Duration::from_secs(5);
