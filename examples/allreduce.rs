@@ -175,7 +175,10 @@ fn run(args: &Args) -> Res<()> {
         return bench(args, mesh, false);
     }
     // Start ranks 1.. ourselves; this process is rank 0.
-    let n = args.ranks.max(1);
+    if args.ranks == 0 {
+        return Err("--ranks must be at least 1".into());
+    }
+    let n = args.ranks;
     let server = Server::bind("127.0.0.1:0", n, cfg.secret.as_deref())?;
     let addr = server.local_addr()?.to_string();
     let cpus = fabric_core::sys::allowed_cpus().unwrap_or_default();
@@ -185,19 +188,15 @@ fn run(args: &Args) -> Res<()> {
     }
     let mut children: Vec<Child> = Vec::new();
     for r in 1..n {
+        // The same arguments (and environment) plus this rank's place.
         let mut cmd = Command::new(std::env::current_exe()?);
         cmd.args(std::env::args_os().skip(1))
             .arg("--rank")
             .arg(r.to_string())
-            .arg("--ranks")
-            .arg(n.to_string())
             .arg("--bootstrap")
             .arg(&addr)
             .stdin(Stdio::null())
             .stdout(Stdio::null());
-        if let Some(k) = args.transport {
-            cmd.arg("--transport").arg(k.name());
-        }
         if pin {
             cmd.arg("--pin-cpu").arg(cpus[r as usize].to_string());
         }
@@ -209,9 +208,33 @@ fn run(args: &Args) -> Res<()> {
             }
         }
     }
+    // A watchdog: a rank that fails ends the run at once (the others would only notice
+    // at their next deadline).
+    let finished = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watch = {
+        let finished = finished.clone();
+        std::thread::spawn(move || {
+            let mut children = children;
+            while !finished.load(std::sync::atomic::Ordering::Acquire) {
+                for (i, c) in children.iter_mut().enumerate() {
+                    if let Ok(Some(st)) = c.try_wait() {
+                        if !st.success() {
+                            eprintln!("allreduce: rank {} failed ({st}); stopping the run", i + 1);
+                            reap(children, true);
+                            std::process::exit(1);
+                        }
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            children
+        })
+    };
     let r = connect_mesh(0, n, Rendezvous::Serve(server), &cfg)
         .map_err(Into::into)
         .and_then(|mesh| bench(args, mesh, true));
+    finished.store(true, std::sync::atomic::Ordering::Release);
+    let children = watch.join().map_err(|_| "watchdog thread panicked")?;
     let failed = reap(children, r.is_err());
     r?;
     if failed > 0 {
