@@ -700,6 +700,12 @@ fn allreduce_ring(comm: &mut Comm, b: &Bufs<'_>) -> Res<()> {
     }
     let slot_of = |st: usize, c: usize| (st % 2) * group + c % group;
     let one_sided = b.right_out.is_some();
+    // On shm, the first all-gather send goes from the slot the last reduction wrote (as
+    // well as the output): fabric-core memory is sent by rendezvous, one copy, where the
+    // caller's output would take the eager path's two.
+    let fwd_slot = comm.domain.kind() == TransportKind::Shm && !one_sided;
+    // Whether the send at step `st` goes from a slot (that of the receive at `st - 1`).
+    let from_slot = |st: usize| st >= 1 && (st < rs_steps || (fwd_slot && st == rs_steps));
     let mut ready: Vec<Vec<bool>> = (0..steps).map(|st| vec![st == 0; cmax]).collect();
     let mut slot_busy = vec![false; 2 * group];
     let notices = if one_sided {
@@ -758,7 +764,7 @@ fn allreduce_ring(comm: &mut Comm, b: &Bufs<'_>) -> Res<()> {
                 let len = (e - a) * 4;
                 let buf = if st == 0 {
                     b.send.slice(a * 4, len)?
-                } else if st < rs_steps {
+                } else if from_slot(st) {
                     b.slots[slot_of(st - 1, c)].slice(0, len)?
                 } else {
                     b.out.slice(a * 4, len)?
@@ -800,7 +806,7 @@ fn allreduce_ring(comm: &mut Comm, b: &Bufs<'_>) -> Res<()> {
                 if kind & RECV == 0 {
                     sends_out -= 1;
                     sends_done += 1;
-                    if st >= 1 && st < rs_steps {
+                    if from_slot(st) {
                         slot_busy[slot_of(st - 1, c)] = false;
                     }
                     continue;
@@ -828,6 +834,18 @@ fn allreduce_ring(comm: &mut Comm, b: &Bufs<'_>) -> Res<()> {
                             let kk = (len - o).min(blk.len());
                             b.send.read_at(a * 4 + o, &mut blk[..kk])?;
                             add_f32(&mut m[o..o + kk], &blk[..kk]);
+                            o += kk;
+                        }
+                    } else if fwd_slot {
+                        // This rank's finished segment: in the slot (sent from there next)
+                        // and in the output.
+                        let mut m = slot.bytes_mut()?;
+                        let mut o = 0;
+                        while o < len {
+                            let kk = (len - o).min(blk.len());
+                            b.send.read_at(a * 4 + o, &mut blk[..kk])?;
+                            add_f32(&mut m[o..o + kk], &blk[..kk]);
+                            b.out.write_at(a * 4 + o, &m[o..o + kk])?;
                             o += kk;
                         }
                     } else {

@@ -102,22 +102,22 @@ fn correctness(transport: &str) {
             "--min-bytes",
             "4",
             "--max-bytes",
-            "65536",
+            "16384",
             "--chunk-bytes",
             "64",
             "--slots",
             "2",
         ]);
         let rows = rows_of(&a).expect("built");
-        assert_table(&rows, 4, 65536, "ring", &ctx);
+        assert_table(&rows, 4, 16384, "ring", &ctx);
         // The default choice across the threshold.
         let mut a = common.to_vec();
-        a.extend(["--min-bytes", "16384", "--max-bytes", "262144"]);
+        a.extend(["--min-bytes", "16384", "--max-bytes", "131072"]);
         let rows = rows_of(&a).expect("built");
-        assert_eq!(rows.len(), 5, "{ctx}");
+        assert_eq!(rows.len(), 4, "{ctx}");
         assert!(rows.iter().all(|r| r[7] == "ok"), "{ctx}: {rows:?}");
         assert_eq!(rows[0][3], "rd", "{ctx}");
-        assert_eq!(rows[4][3], "ring", "{ctx}");
+        assert_eq!(rows[3][3], "ring", "{ctx}");
     }
 }
 
