@@ -118,6 +118,8 @@ const BLOB_VERSION: u8 = 1;
 const IDENT_MAGIC: u32 = 0x4449_4d46; // "FMID"
 const IDENT_LEN: usize = 16;
 const WR_SEND: u64 = 1;
+/// Unnamed accepted connections kept beyond twice the ranks still missing.
+const MAX_STRAYS: usize = 8;
 const WR_RECV: u64 = 2;
 
 /// What each rank publishes: the job nonce (rank 0's; ignored from others) and its
@@ -454,7 +456,6 @@ pub fn connect_mesh(
         let a = resolve_wildcard(a, ip_of(j as usize));
         dialing.push((j, domain.connect(&a)?));
     }
-    let mut to_accept = (size - 1 - rank) as usize;
     let mut naming: Vec<Naming> = Vec::new();
     let mut peers: Vec<Option<Box<dyn Transport>>> = (0..size).map(|_| None).collect();
     let mut refused = Vec::new();
@@ -479,10 +480,22 @@ pub fn connect_mesh(
                 }
             }
         }
-        if to_accept > 0 {
+        // Accept while a higher rank is missing (a stray connection that never names
+        // itself takes no rank's place; the oldest unnamed one goes when too many wait).
+        let missing = peers[rank as usize + 1..]
+            .iter()
+            .filter(|p| p.is_none())
+            .count();
+        if missing > 0 {
             if let Some(c) = listener.accept()? {
+                let accepted = naming.iter().filter(|n| n.expect.is_none()).count();
+                if accepted >= 2 * missing + MAX_STRAYS {
+                    if let Some(i) = naming.iter().position(|n| n.expect.is_none()) {
+                        naming.remove(i);
+                        refused.push("an accepted connection that never named itself".into());
+                    }
+                }
                 naming.push(Naming::start(c, None, rank, nonce)?);
-                to_accept -= 1;
                 moved = true;
             }
         }
@@ -507,7 +520,6 @@ pub fn connect_mesh(
                         )));
                     } else {
                         refused.push(format!("a connection named itself rank {r}: refused"));
-                        to_accept += 1;
                     }
                     moved = true;
                 }
@@ -520,7 +532,6 @@ pub fn connect_mesh(
                 Err(why) => {
                     naming.swap_remove(i);
                     refused.push(format!("an accepted connection: {why}"));
-                    to_accept += 1;
                     moved = true;
                 }
             }
