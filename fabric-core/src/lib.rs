@@ -62,6 +62,11 @@
 //!   sleeping, typed backpressure ([`Error::WouldBlock`]) and [`Capabilities`]. It is object
 //!   safe: the examples hold `Box<dyn Transport>`. Listening and connecting are
 //!   non-blocking ([`backend::Listener::accept`], [`backend::Connector::poll_connect`]).
+//! * **One progress engine for many peers.** A [`Worker`] holds any number of a domain's
+//!   connections ([`Worker::add`], [`Worker::accept`], [`Worker::connect`]); one
+//!   [`Worker::poll`] serves them all and yields [`Event`]s naming their [`EndpointId`], and
+//!   one epoll fd ([`Worker::wait_fd`], [`Worker::arm`], [`Worker::wait`]) wakes the caller.
+//!   Idle endpoints are parked on that fd and cost `poll` nothing (see [`worker`]).
 //! * **Validation once.** [`tracker::Tracker`] is the I/O-free core every backend shares:
 //!   ownership, bounds, access and size checks, a pre-allocated in-flight slot table with
 //!   generation-checked tokens (safe to send to a peer and get back), bounded queues, and
@@ -93,6 +98,8 @@ mod sync;
 pub mod topology;
 pub mod tracker;
 pub mod transport;
+#[cfg(not(fabric_loom))]
+pub mod worker;
 
 #[cfg(not(fabric_loom))]
 pub mod backend;
@@ -109,3 +116,5 @@ pub use transport::{
     AtomicOp, Capabilities, Completion, MemoryKinds, MessageOrdering, OpKind, PostError,
     PostResult, RemoteKey, Status, Transport, TransportKind,
 };
+#[cfg(not(fabric_loom))]
+pub use worker::{EndpointId, Event, Worker};

@@ -617,6 +617,7 @@ fn finish(v: Verbs, sock: TcpStream, domain: &Domain) -> Result<Box<dyn Transpor
         sock,
         epoll,
         wcs: ib::Completion::buffer(64),
+        stashed: 0,
         idle: 0,
         armed: false,
     };
@@ -633,6 +634,8 @@ struct VerbsHal {
     sock: TcpStream,
     epoll: OwnedFd,
     wcs: Vec<ib::Completion>,
+    /// Completions `arm` polled (`wcs[..stashed]`), for the next `reap`.
+    stashed: usize,
     idle: u32,
     armed: bool,
 }
@@ -731,11 +734,14 @@ impl VerbsHal {
     }
 
     fn reap(&mut self, t: &mut Tracker) -> Result<bool> {
-        let n = self
-            .v
-            .cq
-            .poll(&mut self.wcs)
-            .map_err(|e| Error::Protocol(format!("poll_cq: {e}")))?;
+        let n = match std::mem::take(&mut self.stashed) {
+            0 => self
+                .v
+                .cq
+                .poll(&mut self.wcs)
+                .map_err(|e| Error::Protocol(format!("poll_cq: {e}")))?,
+            stashed => stashed,
+        };
         for c in &mut self.wcs[..n] {
             let token = Token(c.wr_id());
             let status = map_status(c.status());
@@ -807,8 +813,16 @@ impl Hal for VerbsHal {
             .req_notify(false)
             .map_err(|e| Error::Protocol(format!("req_notify_cq: {e}")))?;
         self.armed = true;
-        // A completion that landed before the arm would not raise an event: look again.
-        let work = t.ready_len() > 0 || sys::peer_hung_up(self.sock.as_fd());
+        // A completion that landed before the arm raises no event: look again, in the CQ
+        // too (one reaped since the last poll waits in `wcs` for the next `reap`).
+        if self.stashed == 0 {
+            self.stashed = self
+                .v
+                .cq
+                .poll(&mut self.wcs)
+                .map_err(|e| Error::Protocol(format!("poll_cq: {e}")))?;
+        }
+        let work = self.stashed > 0 || t.ready_len() > 0 || sys::peer_hung_up(self.sock.as_fd());
         Ok(!work)
     }
 }
