@@ -9,7 +9,8 @@
 //! ```
 //!
 //! Every rank connects to every other through [`fabric_core::bootstrap::mesh`] (one domain,
-//! one connection per peer). The input (`Vec<f32>`) and the output (`Vec<f32>`) are the
+//! one connection per peer) and hands the connections to one [`fabric_core::Worker`]: one
+//! poll and one wait fd serve every peer. The input (`Vec<f32>`) and the output (`Vec<f32>`) are the
 //! caller's, registered in place with `Domain::register_memory`; the library's own scratch
 //! (the ring's chunk slots) comes from `Domain::register`, whose memory shm can hand to a
 //! peer by rendezvous (one copy instead of two).
@@ -36,7 +37,10 @@ use fabric_core::bootstrap::{
     mesh::{connect_mesh, mesh_from_launch, MeshOptions, Rendezvous},
     Launch, Server,
 };
-use fabric_core::{Access, Buf, Completion, Domain, RemoteKey, Status, Transport, TransportKind};
+use fabric_core::{
+    Access, Buf, Domain, EndpointId, Event, PostResult, RemoteKey, Status, Transport,
+    TransportKind, Worker,
+};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
@@ -259,8 +263,8 @@ fn reap(children: Vec<Child>, kill: bool) -> usize {
 }
 
 // ---------------------------------------------------------------------------------------
-// The communication layer: one connection per peer, send/recv/poll by rank. (Thin on
-// purpose: a progress engine serving every peer at once can take its place.)
+// The communication layer: one `Worker` (one progress engine, one poll, one wait fd) with
+// an endpoint per peer; send/recv/write by rank.
 
 /// A finished operation.
 #[derive(Debug)]
@@ -274,8 +278,10 @@ struct Comm {
     rank: usize,
     size: usize,
     domain: Domain,
-    peers: Vec<Option<Box<dyn Transport>>>,
-    cq: Vec<Completion>,
+    worker: Worker,
+    /// Each rank's endpoint (`None` at this rank).
+    eps: Vec<Option<EndpointId>>,
+    events: Vec<Event>,
     /// More ranks than CPUs here: yield at once when idle.
     oversubscribed: bool,
     /// Reduction scratch (cache-sized).
@@ -289,62 +295,80 @@ enum Posted {
 }
 
 impl Comm {
-    fn conn(&mut self, p: usize) -> Res<&mut Box<dyn Transport>> {
-        self.peers
-            .get_mut(p)
-            .and_then(Option::as_mut)
+    fn new(
+        rank: usize,
+        domain: Domain,
+        peers: Vec<Option<Box<dyn Transport>>>,
+        oversubscribed: bool,
+    ) -> Res<Self> {
+        let mut worker = Worker::new(&domain)?;
+        let size = peers.len();
+        let mut eps = Vec::with_capacity(size);
+        for p in peers {
+            eps.push(match p {
+                Some(t) => Some(worker.add(t)?),
+                None => None,
+            });
+        }
+        Ok(Comm {
+            rank,
+            size,
+            domain,
+            worker,
+            eps,
+            events: (0..64).map(|_| Event::default()).collect(),
+            oversubscribed,
+            blk: vec![0u8; BLK],
+        })
+    }
+
+    fn ep(&self, p: usize) -> Res<EndpointId> {
+        self.eps
+            .get(p)
+            .copied()
+            .flatten()
             .ok_or_else(|| format!("no connection to rank {p}").into())
     }
 
-    fn post(&mut self, p: usize, buf: Buf, wr_id: u64, send: bool) -> Res<Posted> {
-        let c = self.conn(p)?;
-        let r = if send {
-            c.post_send(buf, wr_id)
-        } else {
-            c.post_recv(buf, wr_id)
-        };
+    fn posted(r: PostResult, p: usize, what: &str) -> Res<Posted> {
         match r {
             Ok(()) => Ok(Posted::Yes),
             Err(e) if e.is_would_block() => Ok(Posted::Full(e.buf)),
-            Err(e) => Err(format!("post to rank {p}: {}", e.error).into()),
+            Err(e) => Err(format!("{what} to rank {p}: {}", e.error).into()),
         }
     }
 
     fn send(&mut self, p: usize, buf: Buf, wr_id: u64) -> Res<Posted> {
-        self.post(p, buf, wr_id, true)
+        let ep = self.ep(p)?;
+        Self::posted(self.worker.post_send(ep, buf, wr_id), p, "send")
     }
 
     fn recv(&mut self, p: usize, buf: Buf, wr_id: u64) -> Res<Posted> {
-        self.post(p, buf, wr_id, false)
+        let ep = self.ep(p)?;
+        Self::posted(self.worker.post_recv(ep, buf, wr_id), p, "receive")
     }
 
     fn write(&mut self, p: usize, buf: Buf, key: &RemoteKey, off: u64, wr_id: u64) -> Res<Posted> {
-        match self.conn(p)?.post_write(buf, key, off, wr_id) {
-            Ok(()) => Ok(Posted::Yes),
-            Err(e) if e.is_would_block() => Ok(Posted::Full(e.buf)),
-            Err(e) => Err(format!("write to rank {p}: {}", e.error).into()),
-        }
+        let ep = self.ep(p)?;
+        let r = self.worker.endpoint(ep)?.post_write(buf, key, off, wr_id);
+        Self::posted(r, p, "write")
     }
 
-    /// Polls `p`'s connection; finished operations go to `out` (their buffers are
-    /// released here). A failed operation is an error.
-    fn poll(&mut self, p: usize, out: &mut Vec<Done>) -> Res<usize> {
-        let mut cq = std::mem::take(&mut self.cq);
-        let n = self.conn(p).and_then(|c| Ok(c.poll(&mut cq)?));
-        let n = match n {
-            Ok(n) => n,
-            Err(e) => {
-                self.cq = cq;
-                return Err(e);
-            }
-        };
+    /// One poll of every endpoint; finished operations go to `out` (their buffers are
+    /// released here). A failed operation is an error. (Lockstep algorithms have work in
+    /// flight only with the peers they wait for.)
+    fn poll(&mut self, out: &mut Vec<Done>) -> Res<usize> {
+        let n = self.worker.poll(&mut self.events)?;
         let mut bad = None;
-        for c in cq.iter_mut().take(n) {
-            c.buf = None;
+        for ev in self.events.iter_mut().take(n) {
+            let c = std::mem::take(&mut ev.completion);
             if c.status != Status::Success && bad.is_none() {
+                let peer = self.eps.iter().position(|e| *e == Some(ev.endpoint));
                 bad = Some(format!(
-                    "{:?} with rank {p} completed with {:?}",
-                    c.op, c.status
+                    "{:?} with rank {} completed with {:?}",
+                    c.op,
+                    peer.map_or_else(|| "?".into(), |p| p.to_string()),
+                    c.status
                 ));
             }
             out.push(Done {
@@ -352,20 +376,10 @@ impl Comm {
                 len: c.len,
             });
         }
-        self.cq = cq;
         match bad {
             Some(b) => Err(b.into()),
             None => Ok(n),
         }
-    }
-
-    /// Polls every peer in `ps` once (each connection once even if listed twice).
-    fn poll_peers(&mut self, ps: [usize; 2], out: &mut Vec<Done>) -> Res<usize> {
-        let mut n = self.poll(ps[0], out)?;
-        if ps[1] != ps[0] {
-            n += self.poll(ps[1], out)?;
-        }
-        Ok(n)
     }
 }
 
@@ -406,7 +420,7 @@ impl Idle {
             return Err(format!("no progress with rank {p} for {} s", STALL.as_secs()).into());
         }
         if waited > Duration::from_millis(5) {
-            comm.conn(p)?.wait(Some(Duration::from_millis(1)))?;
+            comm.worker.wait(Some(Duration::from_millis(1)))?;
         } else if !comm.oversubscribed && waited > Duration::from_micros(100) {
             std::thread::yield_now();
         }
@@ -507,7 +521,7 @@ fn exchange(
             }
         }
         done.clear();
-        if comm.poll(partner, &mut done)? == 0 {
+        if comm.poll(&mut done)? == 0 {
             idle.wait(comm, partner)?;
             continue;
         }
@@ -551,7 +565,7 @@ fn one_way(
             }
         }
         done.clear();
-        if comm.poll(peer, &mut done)? == 0 {
+        if comm.poll(&mut done)? == 0 {
             idle.wait(comm, peer)?;
             continue;
         }
@@ -781,7 +795,7 @@ fn allreduce_ring(comm: &mut Comm, b: &Bufs<'_>) -> Res<()> {
                         while let Some(x) = nbuf.take() {
                             if let Posted::Full(x) = comm.send(right, x, wr(0, st, c))? {
                                 nbuf = Some(x);
-                                comm.poll_peers([left, right], &mut done)?;
+                                comm.poll(&mut done)?;
                             }
                         }
                         sends_out += 2;
@@ -797,7 +811,7 @@ fn allreduce_ring(comm: &mut Comm, b: &Bufs<'_>) -> Res<()> {
                 moved = true;
             }
             // Completions.
-            comm.poll_peers([left, right], &mut done)?;
+            comm.poll(&mut done)?;
             if !done.is_empty() {
                 moved = true;
             }
@@ -913,15 +927,7 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, all_local: bool) -> Re
     let (domain, peers) = mesh.into_parts();
     let caps = peers.iter().flatten().next().map(|c| c.capabilities());
     let cpus = std::thread::available_parallelism().map_or(1, |c| c.get());
-    let mut comm = Comm {
-        rank,
-        size: n,
-        domain: domain.clone(),
-        peers,
-        cq: (0..64).map(|_| Completion::default()).collect(),
-        oversubscribed: all_local && n > cpus,
-        blk: vec![0u8; BLK],
-    };
+    let mut comm = Comm::new(rank, domain.clone(), peers, all_local && n > cpus)?;
     let support = domain.memory_support();
     let one_sided = args.one_sided
         && caps.is_some_and(|c| c.one_sided)
@@ -1125,7 +1131,7 @@ fn exchange_keys(comm: &mut Comm, out: &fabric_core::Region) -> Res<RemoteKey> {
                 }
             }
             done.clear();
-            if comm.poll_peers([left, right], &mut done)? == 0 {
+            if comm.poll(&mut done)? == 0 {
                 idle.wait(comm, right)?;
                 continue;
             }
