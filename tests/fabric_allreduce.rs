@@ -85,14 +85,14 @@ fn correctness(transport: &str) {
             "--transport",
             transport,
             "--iters",
-            "3",
+            "2",
             "--warmup",
             "1",
         ];
         let mut a = common.to_vec();
-        a.extend(["--algo", "rd", "--min-bytes", "4", "--max-bytes", "4096"]);
+        a.extend(["--algo", "rd", "--min-bytes", "4", "--max-bytes", "256"]);
         let Some(rows) = rows_of(&a) else { return };
-        assert_table(&rows, 4, 4096, "rd", &ctx);
+        assert_table(&rows, 4, 256, "rd", &ctx);
         // The ring with 64-byte chunks and 2 slots: many chunks per segment, uneven
         // segments (counts not divisible by 3), segments shorter than a chunk.
         let mut a = common.to_vec();
@@ -102,17 +102,24 @@ fn correctness(transport: &str) {
             "--min-bytes",
             "4",
             "--max-bytes",
-            "16384",
+            "4096",
             "--chunk-bytes",
             "64",
             "--slots",
             "2",
         ]);
         let rows = rows_of(&a).expect("built");
-        assert_table(&rows, 4, 16384, "ring", &ctx);
+        assert_table(&rows, 4, 4096, "ring", &ctx);
         // The default choice across the threshold.
         let mut a = common.to_vec();
-        a.extend(["--min-bytes", "16384", "--max-bytes", "131072"]);
+        a.extend([
+            "--rd-max-bytes",
+            "64",
+            "--min-bytes",
+            "32",
+            "--max-bytes",
+            "256",
+        ]);
         let rows = rows_of(&a).expect("built");
         assert_eq!(rows.len(), 4, "{ctx}");
         assert!(rows.iter().all(|r| r[7] == "ok"), "{ctx}: {rows:?}");
@@ -145,18 +152,18 @@ fn one_sided_all_gather_over_tcp() {
             "--min-bytes",
             "4",
             "--max-bytes",
-            "65536",
+            "8192",
             "--chunk-bytes",
             "256",
             "--iters",
-            "3",
+            "2",
         ]) else {
             return;
         };
         assert_table(
             &rows,
             4,
-            65536,
+            8192,
             "ring-1s",
             &format!("tcp one-sided, {ranks} ranks"),
         );
