@@ -724,6 +724,85 @@ mod tests {
         assert!(t0.elapsed() < Duration::from_secs(15));
     }
 
+    /// A stranger that connects to a rank's listener with another job's nonce is refused
+    /// and recorded; the real rank still gets its place.
+    #[test]
+    fn a_stray_connection_is_refused_and_the_real_rank_connects() {
+        let server = Server::bind("127.0.0.1:0", 2, None).unwrap();
+        let addr = server.local_addr().unwrap().to_string();
+        let cfg = MeshOptions {
+            transport: Some(TransportKind::Tcp),
+            timeout: Duration::from_secs(20),
+            ..MeshOptions::default()
+        };
+        let h = std::thread::spawn(move || {
+            let mut m = connect_mesh(0, 2, Rendezvous::Serve(server), &cfg)?;
+            let refused = m.refused.clone();
+            // Receive one message from rank 1 over the mesh's connection.
+            let r = m.domain().register(8, Access::empty())?;
+            let c = m.peer(1).expect("rank 1");
+            c.post_recv(r.full(), 5).map_err(|e| e.error)?;
+            let mut cq: Vec<Completion> = (0..1).map(|_| Completion::default()).collect();
+            let end = Instant::now() + Duration::from_secs(10);
+            while c.poll(&mut cq)? == 0 {
+                assert!(Instant::now() < end, "no message from rank 1");
+                std::thread::yield_now();
+            }
+            cq[0].buf = None;
+            Ok::<_, Error>((refused, r.load_u64(0)?))
+        });
+        // This thread plays rank 1 by hand.
+        let mut opts = Options::default();
+        opts.tcp_bind = "127.0.0.1:0".into();
+        let d = Domain::open(TransportKind::Tcp, &opts).unwrap();
+        let l = d.listen().unwrap();
+        let blob = MeshBlob {
+            nonce: 0,
+            info: EndpointInfo {
+                host: host_id(),
+                rdma: false,
+                addrs: vec![publishable(l.address())],
+            },
+        };
+        let table = join(&addr, 1, 2, None, &blob.encode(), Duration::from_secs(20)).unwrap();
+        let zero = MeshBlob::decode(&table[0].blob).unwrap();
+        let target = address_of(&zero.info, TransportKind::Tcp)
+            .unwrap()
+            .to_string();
+        let dial = |nonce: u64| {
+            let mut c = d.connect(&target).unwrap();
+            let t = backend::connect_timeout(c.as_mut(), Duration::from_secs(10)).unwrap();
+            Naming::start(t, Some(0), 1, nonce).unwrap()
+        };
+        // The stranger: another job's nonce. Rank 0 refuses it; we drop it.
+        let mut stray = dial(zero.nonce ^ 1);
+        let end = Instant::now() + Duration::from_secs(10);
+        while !stray.sent && Instant::now() < end {
+            if stray.step(zero.nonce ^ 1).is_err() {
+                break; // rank 0's identity does not carry the stranger's nonce
+            }
+        }
+        // The real rank 1.
+        let mut real = dial(zero.nonce);
+        let end = Instant::now() + Duration::from_secs(10);
+        while !real.step(zero.nonce).unwrap() {
+            assert!(Instant::now() < end, "rank 0 never named itself");
+            std::thread::yield_now();
+        }
+        assert_eq!(real.got, Some(0));
+        let msg = d.register(8, Access::empty()).unwrap();
+        msg.store_u64(0, 0x5eed).unwrap();
+        real.conn.post_send(msg.full(), 6).unwrap();
+        let (refused, got) = h.join().unwrap().unwrap();
+        drop(stray);
+        assert_eq!(
+            got, 0x5eed,
+            "the mesh's rank-1 connection is not the real one"
+        );
+        assert_eq!(refused.len(), 1, "{refused:?}");
+        assert!(refused[0].contains("another job"), "{refused:?}");
+    }
+
     #[test]
     fn bad_arguments_are_typed_errors() {
         let cfg = MeshOptions::default();
