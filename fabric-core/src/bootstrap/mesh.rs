@@ -752,8 +752,10 @@ mod tests {
             Ok::<_, Error>((refused, r.load_u64(0)?))
         });
         // This thread plays rank 1 by hand.
-        let mut opts = Options::default();
-        opts.tcp_bind = "127.0.0.1:0".into();
+        let opts = Options {
+            tcp_bind: "127.0.0.1:0".into(),
+            ..Options::default()
+        };
         let d = Domain::open(TransportKind::Tcp, &opts).unwrap();
         let l = d.listen().unwrap();
         let blob = MeshBlob {
