@@ -4,8 +4,13 @@
 //! ```text
 //! cargo run --release --example allreduce                          # 2 ranks it starts itself, shm
 //! cargo run --release --example allreduce -- --ranks 4 --transport tcp
-//! srun -n 8 target/release/examples/allreduce                      # a launcher: Slurm, mpirun,
-//! FABRIC_BOOTSTRAP=node1:18600 mpirun -n 8 ...allreduce            #   PMI, torchrun (MASTER_ADDR)
+//! FABRIC_BOOTSTRAP=node1:18600 srun -n 8 target/release/examples/allreduce
+//! ```
+//! Under a launcher (Slurm, mpirun, PMI, torchrun) each process takes its rank and size from
+//! the launcher's environment; rank 0 serves the rendezvous at `FABRIC_BOOTSTRAP` (or
+//! torchrun's `MASTER_ADDR:MASTER_PORT`, or `--bootstrap`), which must name rank 0's host.
+//! By hand: `--rank R --ranks N --bootstrap HOST:PORT` on every host.
+//! ```text
 //! ```
 //!
 //! Every rank connects to every other through [`fabric_core::bootstrap::mesh`] (one domain,

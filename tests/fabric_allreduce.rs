@@ -211,6 +211,63 @@ fn bad_arguments_fail_cleanly() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--ranks"));
 }
 
+/// The launcher path: two processes started by "mpirun" (its environment, faked here)
+/// find each other through `FABRIC_BOOTSTRAP`; rank 0 prints the table, both exit 0.
+#[test]
+fn ranks_from_a_launchers_environment() {
+    let Some(path) = example() else {
+        skip(
+            "examples",
+            format_args!("example binary allreduce not built next to this test"),
+        );
+        return;
+    };
+    // A free loopback port for rank 0's rendezvous.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port();
+    let bootstrap = format!("127.0.0.1:{port}");
+    let children: Vec<_> = (0..2)
+        .map(|r| {
+            Command::new(&path)
+                .args(["--max-bytes", "256", "--iters", "2", "--transport", "tcp"])
+                .env_remove("FABRIC_TRANSPORT")
+                .env("OMPI_COMM_WORLD_RANK", r.to_string())
+                .env("OMPI_COMM_WORLD_SIZE", "2")
+                .env("FABRIC_BOOTSTRAP", &bootstrap)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("start a rank")
+        })
+        .collect();
+    let outs: Vec<Output> = children
+        .into_iter()
+        .map(|c| c.wait_with_output().expect("wait"))
+        .collect();
+    for (r, o) in outs.iter().enumerate() {
+        assert!(
+            o.status.success(),
+            "rank {r}: {}\n{}",
+            o.status,
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    let table = String::from_utf8_lossy(&outs[0].stdout);
+    assert!(table.contains("2 ranks, transport tcp"), "{table}");
+    let rows = table
+        .lines()
+        .filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit()))
+        .count();
+    assert_eq!(rows, 7, "{table}");
+    assert!(
+        outs[1].stdout.is_empty(),
+        "only rank 0 prints the table: {}",
+        String::from_utf8_lossy(&outs[1].stdout)
+    );
+}
+
 /// Over verbs where this machine has an active RDMA port (the Soft-RoCE guest).
 #[test]
 fn correct_over_verbs_when_available() {
