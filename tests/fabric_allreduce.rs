@@ -298,4 +298,24 @@ fn correct_over_verbs_when_available() {
             assert_table(&rows, 4, 16384, algo, &format!("verbs, {ranks} ranks"));
         }
     }
+    // Figures for the record (the guest emulates its CPUs: not a speed result).
+    let Some(out) = run(&[
+        "--transport",
+        "verbs",
+        "--max-bytes",
+        "1048576",
+        "--iters",
+        "20",
+        "--warmup",
+        "2",
+    ]) else {
+        return;
+    };
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{table}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("allreduce over verbs, 2 ranks:\n{table}");
 }
