@@ -15,6 +15,7 @@
 
 pub mod auth;
 pub mod launcher;
+pub mod mesh;
 pub mod wire;
 
 use std::io::{self, Read, Write};
@@ -30,6 +31,7 @@ use wire::{
 };
 
 pub use launcher::{Launch, Launcher};
+pub use mesh::{connect_mesh, mesh_from_launch, Mesh, MeshOptions, Rendezvous};
 
 /// Per-connection deadline of the rendezvous server: a handshake must complete within it
 /// of its accept. (Receiving and confirming the table has the run's timeout, at least

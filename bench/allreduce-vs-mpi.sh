@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# allreduce-vs-mpi.sh — examples/allreduce against Open MPI's MPI_Allreduce (float sum), same
+# ranks, sizes and iteration counts, over shared memory and over TCP, in one table.
+#
+#   bench/allreduce-vs-mpi.sh                 # 2 ranks, 4 B .. 256 MiB
+#   RANKS=4 MAX_BYTES=16777216 bench/allreduce-vs-mpi.sh
+#
+# Environment: RANKS (2), MIN_BYTES (4), MAX_BYTES (268435456), ITERS / WARMUP (default:
+# scaled with the size, the same formula in both programs), TRANSPORTS ("shm tcp"),
+# OUT (a directory for the raw tables; default a temporary one).
+#
+# Installs Debian's openmpi-bin and libopenmpi-dev when mpicc/mpirun are missing (apt-get),
+# builds bench/mpi_allreduce.c with mpicc and the example with cargo (release).
+# Open MPI runs with the ob1 PML and the vader BTL for shared memory, the tcp BTL on
+# loopback for TCP; both programs pin each rank to a CPU of its own when there are enough.
+#
+# Ratios: "busbw x" = ours / MPI bus bandwidth (higher is better for us), "lat x" = MPI /
+# ours time (higher is better for us). Targets (issue 11): shm busbw >= 1.2 from 1 MiB up and
+# lat >= 1.0 from 4 B to 4 KiB; tcp busbw >= 1.0 at every size.
+set -euo pipefail
+
+HERE="$(cd "$(dirname "$0")" && pwd)"
+ROOT="$(cd "$HERE/.." && pwd)"
+RANKS="${RANKS:-2}"
+MIN_BYTES="${MIN_BYTES:-4}"
+MAX_BYTES="${MAX_BYTES:-268435456}"
+TRANSPORTS="${TRANSPORTS:-shm tcp}"
+OUT="${OUT:-$(mktemp -d /tmp/allreduce-vs-mpi.XXXXXX)}"
+mkdir -p "$OUT"
+
+log() { echo "[allreduce-vs-mpi] $*" >&2; }
+
+if ! command -v mpicc >/dev/null || ! command -v mpirun >/dev/null; then
+  log "installing openmpi-bin and libopenmpi-dev"
+  if [ "$(id -u)" = 0 ]; then SUDO=(); else SUDO=(sudo); fi
+  "${SUDO[@]}" apt-get install -y openmpi-bin libopenmpi-dev >/dev/null \
+    || { "${SUDO[@]}" apt-get update >/dev/null && "${SUDO[@]}" apt-get install -y openmpi-bin libopenmpi-dev >/dev/null; }
+fi
+
+log "building bench/mpi_allreduce.c and examples/allreduce (release)"
+mpicc -O2 -Wall -o "$OUT/mpi_allreduce" "$HERE/mpi_allreduce.c"
+(cd "$ROOT" && cargo build --release --example allreduce >&2)
+OURS="$ROOT/target/release/examples/allreduce"
+
+common=(--min-bytes "$MIN_BYTES" --max-bytes "$MAX_BYTES")
+[ -n "${ITERS:-}" ] && common+=(--iters "$ITERS")
+[ -n "${WARMUP:-}" ] && common+=(--warmup "$WARMUP")
+
+MPIRUN=(mpirun -np "$RANKS" --mca pml ob1)
+[ "$(id -u)" = 0 ] && MPIRUN+=(--allow-run-as-root)
+if [ "$RANKS" -le "$(nproc)" ]; then
+  MPIRUN+=(--bind-to core)
+else
+  MPIRUN+=(--oversubscribe --bind-to none)
+fi
+
+log "host: $(nproc) CPUs, load average $(cut -d' ' -f1-3 /proc/loadavg); $(mpirun --version | head -1)"
+for t in $TRANSPORTS; do
+  case "$t" in
+    shm) btl=(--mca btl self,vader) ;;
+    tcp) btl=(--mca btl self,tcp --mca btl_tcp_if_include lo) ;;
+    *) log "unknown transport $t (shm, tcp)"; exit 2 ;;
+  esac
+  log "$t: Open MPI, $RANKS ranks"
+  "${MPIRUN[@]}" "${btl[@]}" "$OUT/mpi_allreduce" "${common[@]}" >"$OUT/mpi-$t.txt"
+  log "$t: fabric allreduce, $RANKS ranks"
+  "$OURS" --ranks "$RANKS" --transport "$t" "${common[@]}" >"$OUT/ours-$t.txt"
+done
+
+# Side by side: rows are "size count iters algo time algbw busbw check".
+echo "# all-reduce, $RANKS ranks, f32 sum: fabric examples/allreduce vs Open MPI MPI_Allreduce"
+echo "# host: $(nproc) CPUs, load average $(cut -d' ' -f1-3 /proc/loadavg) (at the end of the run)"
+printf '%-9s %10s %5s %11s %11s %7s %9s %9s %7s %s\n' \
+  transport "size(B)" algo "ours(us)" "mpi(us)" "lat x" "ours GB/s" "mpi GB/s" "busbw x" target
+for t in $TRANSPORTS; do
+  awk -v t="$t" '
+    FNR == 1 { file++ }
+    /^ *[0-9]/ {
+      if (file == 1) { mt[$1] = $5; mb[$1] = $7 }
+      else { ot[$1] = $5; ob[$1] = $7; oa[$1] = $4; order[++n] = $1 }
+    }
+    END {
+      for (i = 1; i <= n; i++) {
+        s = order[i]
+        if (!(s in mt)) continue
+        lat = (ot[s] > 0) ? mt[s] / ot[s] : 0
+        bw = (mb[s] > 0) ? ob[s] / mb[s] : 0
+        tgt = "-"
+        if (t == "shm" && s + 0 <= 4096) tgt = (lat >= 1.0) ? "lat met" : "lat MISSED"
+        if (t == "shm" && s + 0 >= 1048576) tgt = (bw >= 1.2) ? "bw met" : "bw MISSED"
+        if (t == "tcp") tgt = (bw >= 1.0 || (mb[s] == 0 && ob[s] == 0)) ? "bw met" : "bw MISSED"
+        if (t == "tcp" && mb[s] + 0 == 0) tgt = (lat >= 1.0) ? "lat met" : "lat MISSED"
+        printf "%-9s %10s %5s %11.2f %11.2f %7.2f %9.3f %9.3f %7.2f %s\n",
+          t, s, oa[s], ot[s], mt[s], lat, ob[s], mb[s], bw, tgt
+      }
+    }' "$OUT/mpi-$t.txt" "$OUT/ours-$t.txt"
+done
+log "raw tables in $OUT"

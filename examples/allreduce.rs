@@ -1,0 +1,1156 @@
+//! All-reduce (sum of `f32`) across N processes over fabric-core, on the caller's own
+//! memory, checked and timed like nccl-tests' `all_reduce_perf`.
+//!
+//! ```text
+//! cargo run --release --example allreduce                          # 2 ranks it starts itself, shm
+//! cargo run --release --example allreduce -- --ranks 4 --transport tcp
+//! FABRIC_BOOTSTRAP=node1:18600 srun -n 8 target/release/examples/allreduce
+//! ```
+//! Under a launcher (Slurm, mpirun, PMI, torchrun) each process takes its rank and size from
+//! the launcher's environment; rank 0 serves the rendezvous at `FABRIC_BOOTSTRAP` (or
+//! torchrun's `MASTER_ADDR:MASTER_PORT`, or `--bootstrap`), which must name rank 0's host.
+//! By hand: `--rank R --ranks N --bootstrap HOST:PORT` on every host.
+//! ```text
+//! ```
+//!
+//! Every rank connects to every other through [`fabric_core::bootstrap::mesh`] (one domain,
+//! one connection per peer) and hands the connections to one [`fabric_core::Worker`]: one
+//! poll and one wait fd serve every peer. The input (`Vec<f32>`) and the output (`Vec<f32>`) are the
+//! caller's, registered in place with `Domain::register_memory`; the library's own scratch
+//! (the ring's chunk slots) comes from `Domain::register`, whose memory shm can hand to a
+//! peer by rendezvous (one copy instead of two).
+//!
+//! Algorithms: messages up to `--rd-max-bytes` use recursive doubling (log2 N exchanges of
+//! the whole vector; a non-power-of-two N folds its extra ranks in first and out last);
+//! larger ones a ring: reduce-scatter then all-gather, each segment split into
+//! `--chunk-bytes` chunks so that a chunk travels while the previous one is reduced. With
+//! `--one-sided` (transports that let peers write caller memory: tcp, verbs) the
+//! all-gather writes straight into the right neighbour's output with `post_write`, each
+//! chunk followed by an 8-byte notice (connections deliver in post order).
+//!
+//! Columns (nccl-tests): `time` is the mean over `--iters` operations on rank 0, `algbw`
+//! = bytes / time, `busbw` = algbw × 2(N-1)/N, in GB/s (10^9 B/s). The result is checked
+//! against exact values (small integers in `f32`) after each size; a wrong element makes
+//! the process exit with status 1.
+
+use std::io::IsTerminal;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use clap::{ArgAction, Parser, ValueEnum};
+use fabric_core::bootstrap::{
+    mesh::{connect_mesh, mesh_from_launch, MeshOptions, Rendezvous},
+    Launch, Server,
+};
+use fabric_core::{
+    Access, Buf, Domain, EndpointId, Event, PostResult, RemoteKey, Status, Transport,
+    TransportKind, Worker,
+};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+#[derive(Parser, Debug, Clone)]
+#[command(
+    about = "All-reduce (f32 sum) across N processes over fabric-core (nccl-tests-style table)"
+)]
+struct Args {
+    /// Ranks to start on this host (ignored under a launcher or with --rank).
+    #[arg(long, default_value_t = 2)]
+    ranks: u32,
+    /// Transport: shm, tcp or verbs (default: one every rank has, shm on one host; env
+    /// FABRIC_TRANSPORT).
+    #[arg(long)]
+    transport: Option<TransportKind>,
+    /// Smallest message in bytes.
+    #[arg(long, default_value_t = 4)]
+    min_bytes: usize,
+    /// Largest message in bytes.
+    #[arg(long, default_value_t = 256 << 20)]
+    max_bytes: usize,
+    /// Timed operations per size (default: scaled with the size).
+    #[arg(long)]
+    iters: Option<usize>,
+    /// Untimed operations before each size (default: a tenth of the iterations).
+    #[arg(long)]
+    warmup: Option<usize>,
+    /// Check the result of each size (`--check false` to skip).
+    #[arg(long, default_value_t = true, action = ArgAction::Set)]
+    check: bool,
+    /// Force an algorithm (default: recursive doubling up to --rd-max-bytes, else ring).
+    #[arg(long)]
+    algo: Option<Algo>,
+    /// Largest message for recursive doubling.
+    #[arg(long, default_value_t = 32 << 10)]
+    rd_max_bytes: usize,
+    /// Ring pipeline chunk.
+    #[arg(long, default_value_t = 256 << 10)]
+    chunk_bytes: usize,
+    /// Ring chunk slots (scratch per rank = slots × chunk).
+    #[arg(long, default_value_t = 8)]
+    slots: usize,
+    /// All-gather by one-sided writes where the transport allows peers to write caller
+    /// memory.
+    #[arg(long)]
+    one_sided: bool,
+    /// Do not pin the ranks this process starts to CPUs of their own.
+    #[arg(long)]
+    no_pin: bool,
+    /// Shared secret of the bootstrap and tcp (env FABRIC_SECRET).
+    #[arg(long)]
+    secret: Option<String>,
+    /// This process's rank (with --bootstrap; set for the ranks a run starts itself).
+    #[arg(long, requires = "bootstrap")]
+    rank: Option<u32>,
+    /// Rendezvous HOST:PORT (rank 0 binds it; env FABRIC_BOOTSTRAP under a launcher).
+    #[arg(long)]
+    bootstrap: Option<String>,
+    /// Internal: the CPU to pin to.
+    #[arg(long, hide = true)]
+    pin_cpu: Option<usize>,
+    /// Internal (tests): the last rank adds 1 to one element of its input behind the
+    /// check's back, so the check must fail.
+    #[arg(long, hide = true)]
+    inject_error: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Algo {
+    /// Recursive doubling (latency-optimal).
+    Rd,
+    /// Pipelined ring reduce-scatter + all-gather (bandwidth-optimal).
+    Ring,
+}
+
+impl Algo {
+    fn name(self, one_sided: bool) -> &'static str {
+        match (self, one_sided) {
+            (Algo::Rd, _) => "rd",
+            (Algo::Ring, false) => "ring",
+            (Algo::Ring, true) => "ring-1s",
+        }
+    }
+}
+
+fn main() {
+    let mut args = Args::parse();
+    if args.transport.is_none() {
+        match std::env::var("FABRIC_TRANSPORT") {
+            Ok(v) if !v.is_empty() => match v.parse() {
+                Ok(k) => args.transport = Some(k),
+                Err(e) => fail(None, &format!("FABRIC_TRANSPORT: {e}")),
+            },
+            _ => {}
+        }
+    }
+    if args.secret.is_none() {
+        args.secret = std::env::var("FABRIC_SECRET")
+            .ok()
+            .filter(|s| !s.is_empty());
+    }
+    if let Err(e) = run(&args) {
+        fail(args.rank, &e.to_string());
+    }
+}
+
+fn fail(rank: Option<u32>, msg: &str) -> ! {
+    match rank {
+        Some(r) => eprintln!("allreduce: rank {r}: error: {msg}"),
+        None => eprintln!("allreduce: error: {msg}"),
+    }
+    std::process::exit(1);
+}
+
+/// Finds the job (explicit rank, a launcher, or ranks this process starts) and runs it.
+fn run(args: &Args) -> Res<()> {
+    let cfg = MeshOptions {
+        transport: args.transport,
+        secret: args.secret.as_ref().map(|s| s.as_bytes().to_vec()),
+        ..MeshOptions::default()
+    };
+    if let Some(cpu) = args.pin_cpu {
+        fabric_core::sys::pin_to_cpu(cpu)?;
+    }
+    if let Some(rank) = args.rank {
+        let launch = Launch::explicit(rank, args.ranks, args.bootstrap.clone())?;
+        let mesh = mesh_from_launch(&launch, &cfg)?;
+        return bench(args, mesh, true);
+    }
+    if let Some(mut launch) = Launch::from_env()? {
+        if launch.server.is_none() {
+            launch.server = args.bootstrap.clone();
+        }
+        let mesh = mesh_from_launch(&launch, &cfg)?;
+        return bench(args, mesh, false);
+    }
+    // Start ranks 1.. ourselves; this process is rank 0.
+    if args.ranks == 0 {
+        return Err("--ranks must be at least 1".into());
+    }
+    let n = args.ranks;
+    let server = Server::bind("127.0.0.1:0", n, cfg.secret.as_deref())?;
+    let addr = server.local_addr()?.to_string();
+    let cpus = fabric_core::sys::allowed_cpus().unwrap_or_default();
+    let pin = !args.no_pin && cpus.len() >= n as usize && n > 1;
+    if pin {
+        fabric_core::sys::pin_to_cpu(cpus[0])?;
+    }
+    let mut children: Vec<Child> = Vec::new();
+    for r in 1..n {
+        // The same arguments (and environment) plus this rank's place.
+        let mut cmd = Command::new(std::env::current_exe()?);
+        cmd.args(std::env::args_os().skip(1))
+            .arg("--rank")
+            .arg(r.to_string())
+            .arg("--bootstrap")
+            .arg(&addr)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null());
+        if pin {
+            cmd.arg("--pin-cpu").arg(cpus[r as usize].to_string());
+        }
+        match cmd.spawn() {
+            Ok(c) => children.push(c),
+            Err(e) => {
+                reap(children, true);
+                return Err(e.into());
+            }
+        }
+    }
+    // A watchdog: a rank that fails ends the run at once (the others would only notice
+    // at their next deadline).
+    let finished = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watch = {
+        let finished = finished.clone();
+        std::thread::spawn(move || {
+            let mut children = children;
+            while !finished.load(std::sync::atomic::Ordering::Acquire) {
+                for (i, c) in children.iter_mut().enumerate() {
+                    if let Ok(Some(st)) = c.try_wait() {
+                        if !st.success() {
+                            eprintln!("allreduce: rank {} failed ({st}); stopping the run", i + 1);
+                            reap(children, true);
+                            std::process::exit(1);
+                        }
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            children
+        })
+    };
+    let r = connect_mesh(0, n, Rendezvous::Serve(server), &cfg)
+        .map_err(Into::into)
+        .and_then(|mesh| bench(args, mesh, true));
+    finished.store(true, std::sync::atomic::Ordering::Release);
+    let children = watch.join().map_err(|_| "watchdog thread panicked")?;
+    let failed = reap(children, r.is_err());
+    r?;
+    if failed > 0 {
+        return Err(format!("{failed} of the ranks this run started failed").into());
+    }
+    Ok(())
+}
+
+/// Waits for the started ranks (killing them first when `kill`); returns how many failed.
+fn reap(children: Vec<Child>, kill: bool) -> usize {
+    let mut failed = 0;
+    for mut c in children {
+        if kill {
+            let _ = c.kill();
+        }
+        match c.wait() {
+            Ok(st) if st.success() => {}
+            _ => failed += 1,
+        }
+    }
+    failed
+}
+
+// ---------------------------------------------------------------------------------------
+// The communication layer: one `Worker` (one progress engine, one poll, one wait fd) with
+// an endpoint per peer; send/recv/write by rank.
+
+/// A finished operation.
+#[derive(Debug)]
+struct Done {
+    wr_id: u64,
+    len: usize,
+}
+
+#[derive(Debug)]
+struct Comm {
+    rank: usize,
+    size: usize,
+    domain: Domain,
+    worker: Worker,
+    /// Each rank's endpoint (`None` at this rank).
+    eps: Vec<Option<EndpointId>>,
+    events: Vec<Event>,
+    /// More ranks than CPUs here: yield at once when idle.
+    oversubscribed: bool,
+    /// Reduction scratch (cache-sized).
+    blk: Vec<u8>,
+}
+
+/// Outcome of a post: done, or refused for backpressure (the buffer is handed back).
+enum Posted {
+    Yes,
+    Full(Buf),
+}
+
+impl Comm {
+    fn new(
+        rank: usize,
+        domain: Domain,
+        peers: Vec<Option<Box<dyn Transport>>>,
+        oversubscribed: bool,
+    ) -> Res<Self> {
+        let mut worker = Worker::new(&domain)?;
+        let size = peers.len();
+        let mut eps = Vec::with_capacity(size);
+        for p in peers {
+            eps.push(match p {
+                Some(t) => Some(worker.add(t)?),
+                None => None,
+            });
+        }
+        Ok(Comm {
+            rank,
+            size,
+            domain,
+            worker,
+            eps,
+            events: (0..64).map(|_| Event::default()).collect(),
+            oversubscribed,
+            blk: vec![0u8; BLK],
+        })
+    }
+
+    fn ep(&self, p: usize) -> Res<EndpointId> {
+        self.eps
+            .get(p)
+            .copied()
+            .flatten()
+            .ok_or_else(|| format!("no connection to rank {p}").into())
+    }
+
+    fn posted(r: PostResult, p: usize, what: &str) -> Res<Posted> {
+        match r {
+            Ok(()) => Ok(Posted::Yes),
+            Err(e) if e.is_would_block() => Ok(Posted::Full(e.buf)),
+            Err(e) => Err(format!("{what} to rank {p}: {}", e.error).into()),
+        }
+    }
+
+    fn send(&mut self, p: usize, buf: Buf, wr_id: u64) -> Res<Posted> {
+        let ep = self.ep(p)?;
+        Self::posted(self.worker.post_send(ep, buf, wr_id), p, "send")
+    }
+
+    fn recv(&mut self, p: usize, buf: Buf, wr_id: u64) -> Res<Posted> {
+        let ep = self.ep(p)?;
+        Self::posted(self.worker.post_recv(ep, buf, wr_id), p, "receive")
+    }
+
+    fn write(&mut self, p: usize, buf: Buf, key: &RemoteKey, off: u64, wr_id: u64) -> Res<Posted> {
+        let ep = self.ep(p)?;
+        let r = self.worker.endpoint(ep)?.post_write(buf, key, off, wr_id);
+        Self::posted(r, p, "write")
+    }
+
+    /// One poll of every endpoint; finished operations go to `out` (their buffers are
+    /// released here). A failed operation is an error. (Lockstep algorithms have work in
+    /// flight only with the peers they wait for.)
+    fn poll(&mut self, out: &mut Vec<Done>) -> Res<usize> {
+        let n = self.worker.poll(&mut self.events)?;
+        let mut bad = None;
+        for ev in self.events.iter_mut().take(n) {
+            let c = std::mem::take(&mut ev.completion);
+            if c.status != Status::Success && bad.is_none() {
+                let peer = self.eps.iter().position(|e| *e == Some(ev.endpoint));
+                bad = Some(format!(
+                    "{:?} with rank {} completed with {:?}",
+                    c.op,
+                    peer.map_or_else(|| "?".into(), |p| p.to_string()),
+                    c.status
+                ));
+            }
+            out.push(Done {
+                wr_id: c.wr_id,
+                len: c.len,
+            });
+        }
+        match bad {
+            Some(b) => Err(b.into()),
+            None => Ok(n),
+        }
+    }
+}
+
+/// Backoff while waiting: spin, then yield, then sleep on the connection's wait fd; an
+/// error after a minute without progress.
+#[derive(Debug)]
+struct Idle {
+    since: Option<Instant>,
+    spins: u32,
+}
+
+const STALL: Duration = Duration::from_secs(60);
+
+impl Idle {
+    fn new() -> Self {
+        Idle {
+            since: None,
+            spins: 0,
+        }
+    }
+
+    fn progress(&mut self) {
+        self.since = None;
+        self.spins = 0;
+    }
+
+    fn wait(&mut self, comm: &mut Comm, p: usize) -> Res<()> {
+        self.spins += 1;
+        if comm.oversubscribed {
+            std::thread::yield_now();
+        } else if self.spins < 256 {
+            std::hint::spin_loop();
+            return Ok(());
+        }
+        let t0 = *self.since.get_or_insert_with(Instant::now);
+        let waited = t0.elapsed();
+        if waited > STALL {
+            return Err(format!("no progress with rank {p} for {} s", STALL.as_secs()).into());
+        }
+        if waited > Duration::from_millis(5) {
+            comm.worker.wait(Some(Duration::from_millis(1)))?;
+        } else if !comm.oversubscribed && waited > Duration::from_micros(100) {
+            std::thread::yield_now();
+        }
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Reduction on bytes (f32, native endianness; all ranks run this build).
+
+/// `acc[i] += x[i]` over f32 elements.
+fn add_f32(acc: &mut [u8], x: &[u8]) {
+    for (a, b) in acc.chunks_exact_mut(4).zip(x.chunks_exact(4)) {
+        let v = f32::from_ne_bytes([a[0], a[1], a[2], a[3]])
+            + f32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
+        a.copy_from_slice(&v.to_ne_bytes());
+    }
+}
+
+const BLK: usize = 16 << 10;
+
+/// `dst[d_off..+len] = a[a_off..+len] + b` in cache-sized blocks, through copies (both
+/// regions may have slices out in other operations meanwhile).
+fn sum_to(
+    blk: &mut [u8],
+    dst: &fabric_core::Region,
+    d_off: usize,
+    a: &fabric_core::Region,
+    a_off: usize,
+    b: &[u8],
+) -> Res<()> {
+    let mut o = 0;
+    while o < b.len() {
+        let k = (b.len() - o).min(blk.len());
+        a.read_at(a_off + o, &mut blk[..k])?;
+        add_f32(&mut blk[..k], &b[o..o + k]);
+        dst.write_at(d_off + o, &blk[..k])?;
+        o += k;
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// Algorithms.
+
+const RECV: u64 = 1 << 63;
+const WRITE: u64 = 1 << 62;
+
+fn wr(flags: u64, step: usize, chunk: usize) -> u64 {
+    flags | ((step as u64) << 32) | chunk as u64
+}
+
+fn unwr(w: u64) -> (u64, usize, usize) {
+    (
+        w & (RECV | WRITE),
+        ((w & !(RECV | WRITE)) >> 32) as usize,
+        (w & 0xffff_ffff) as usize,
+    )
+}
+
+/// The buffers of one size.
+struct Bufs<'a> {
+    /// Input (the caller's `Vec<f32>`).
+    send: &'a fabric_core::Region,
+    /// Output (the caller's `Vec<f32>`).
+    out: &'a fabric_core::Region,
+    /// Recursive doubling's receive buffer.
+    tmp: &'a fabric_core::Region,
+    /// The ring's chunk slots.
+    slots: &'a [fabric_core::Region],
+    /// The right neighbour's output (one-sided all-gather).
+    right_out: Option<RemoteKey>,
+    bytes: usize,
+}
+
+/// Sends `out_src[..bytes]` to `partner` while receiving as many bytes into `tmp`.
+fn exchange(
+    comm: &mut Comm,
+    partner: usize,
+    src: &fabric_core::Region,
+    tmp: &fabric_core::Region,
+    bytes: usize,
+) -> Res<()> {
+    let mut pending_recv = Some(tmp.slice(0, bytes)?);
+    let mut pending_send = Some(src.slice(0, bytes)?);
+    let (mut sent, mut got) = (false, false);
+    let mut done = Vec::with_capacity(4);
+    let mut idle = Idle::new();
+    while !(sent && got) {
+        if let Some(b) = pending_recv.take() {
+            if let Posted::Full(b) = comm.recv(partner, b, RECV)? {
+                pending_recv = Some(b);
+            }
+        }
+        if let Some(b) = pending_send.take() {
+            if let Posted::Full(b) = comm.send(partner, b, 0)? {
+                pending_send = Some(b);
+            }
+        }
+        done.clear();
+        if comm.poll(&mut done)? == 0 {
+            idle.wait(comm, partner)?;
+            continue;
+        }
+        idle.progress();
+        for d in &done {
+            if d.wr_id & RECV != 0 {
+                if d.len != bytes {
+                    return Err(
+                        format!("rank {partner} sent {} bytes, expected {bytes}", d.len).into(),
+                    );
+                }
+                got = true;
+            } else {
+                sent = true;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One-way transfer of `src[..bytes]` to `to` / into `dst[..bytes]` from `from`.
+fn one_way(
+    comm: &mut Comm,
+    peer: usize,
+    r: &fabric_core::Region,
+    bytes: usize,
+    send: bool,
+) -> Res<()> {
+    let mut pending = Some(r.slice(0, bytes)?);
+    let mut done = Vec::with_capacity(2);
+    let mut idle = Idle::new();
+    loop {
+        if let Some(b) = pending.take() {
+            let p = if send {
+                comm.send(peer, b, 0)?
+            } else {
+                comm.recv(peer, b, RECV)?
+            };
+            if let Posted::Full(b) = p {
+                pending = Some(b);
+            }
+        }
+        done.clear();
+        if comm.poll(&mut done)? == 0 {
+            idle.wait(comm, peer)?;
+            continue;
+        }
+        idle.progress();
+        if let Some(d) = done.first() {
+            if !send && d.len != bytes {
+                return Err(format!("rank {peer} sent {} bytes, expected {bytes}", d.len).into());
+            }
+            return Ok(());
+        }
+    }
+}
+
+/// Recursive doubling (MPICH's scheme for a non-power-of-two N: ranks below 2·rem pair
+/// up, the even one hands its vector to the odd one and gets the result at the end).
+fn allreduce_rd(comm: &mut Comm, b: &Bufs<'_>) -> Res<()> {
+    let (n, r, bytes) = (comm.size, comm.rank, b.bytes);
+    let mut blk = std::mem::take(&mut comm.blk);
+    let res = (|| -> Res<()> {
+        if n == 1 {
+            return copy_region(&mut blk, b.out, b.send, bytes);
+        }
+        let p2 = 1usize << (usize::BITS - 1 - n.leading_zeros());
+        let rem = n - p2;
+        // `have_out`: the running sum is in `out` (else it is still `send`).
+        let mut have_out = false;
+        let newrank = if r < 2 * rem {
+            if r % 2 == 0 {
+                one_way(comm, r + 1, b.send, bytes, true)?;
+                one_way(comm, r + 1, b.out, bytes, false)?;
+                return Ok(());
+            }
+            one_way(comm, r - 1, b.tmp, bytes, false)?;
+            let t = b.tmp.bytes()?;
+            sum_to(&mut blk, b.out, 0, b.send, 0, &t[..bytes])?;
+            have_out = true;
+            r / 2
+        } else {
+            r - rem
+        };
+        let mut mask = 1;
+        while mask < p2 {
+            let pn = newrank ^ mask;
+            let partner = if pn < rem { pn * 2 + 1 } else { pn + rem };
+            let src = if have_out { b.out } else { b.send };
+            exchange(comm, partner, src, b.tmp, bytes)?;
+            let t = b.tmp.bytes()?;
+            sum_to(&mut blk, b.out, 0, src, 0, &t[..bytes])?;
+            have_out = true;
+            mask <<= 1;
+        }
+        if r < 2 * rem {
+            one_way(comm, r - 1, b.out, bytes, true)?;
+        }
+        Ok(())
+    })();
+    comm.blk = blk;
+    res
+}
+
+fn copy_region(
+    blk: &mut [u8],
+    dst: &fabric_core::Region,
+    src: &fabric_core::Region,
+    bytes: usize,
+) -> Res<()> {
+    let mut o = 0;
+    while o < bytes {
+        let k = (bytes - o).min(blk.len());
+        src.read_at(o, &mut blk[..k])?;
+        dst.write_at(o, &blk[..k])?;
+        o += k;
+    }
+    Ok(())
+}
+
+/// Most operations of one direction posted on a connection at once.
+const WINDOW: usize = 64;
+
+/// Pipelined ring: reduce-scatter (steps `0..N-1`), then all-gather (steps
+/// `N-1..2(N-1)`). At step `st`, this rank sends one segment to its right neighbour and
+/// receives one from its left, chunk by chunk; the chunk `c` it receives at step `st` is
+/// the chunk `c` it sends at step `st + 1` (after adding its own input during the
+/// reduce-scatter). Every rank posts in the same order (step-major), so the connections'
+/// post-order delivery matches sends to receives without tags.
+fn allreduce_ring(comm: &mut Comm, b: &Bufs<'_>) -> Res<()> {
+    let (n, r) = (comm.size, comm.rank);
+    if n == 1 {
+        let mut blk = std::mem::take(&mut comm.blk);
+        let res = copy_region(&mut blk, b.out, b.send, b.bytes);
+        comm.blk = blk;
+        return res;
+    }
+    let count = b.bytes / 4;
+    let right = (r + 1) % n;
+    let left = (r + n - 1) % n;
+    let ce = b.slots[0].len() / 4; // elements per chunk
+    let group = (b.slots.len() / 2).max(1);
+    let steps = 2 * (n - 1);
+    let rs_steps = n - 1;
+    let seg = |q: usize| (q * count / n, (q + 1) * count / n);
+    // Segment sent / received at step `st` (reduce-scatter, then all-gather).
+    let send_seg = |st: usize| {
+        if st < rs_steps {
+            (r + n - st) % n
+        } else {
+            (r + 1 + n - (st - rs_steps)) % n
+        }
+    };
+    let recv_seg = |st: usize| {
+        if st < rs_steps {
+            (r + 2 * n - st - 1) % n
+        } else {
+            (r + n - (st - rs_steps)) % n
+        }
+    };
+    // Element range of chunk c of segment q (empty past the segment's end).
+    let chunk = |q: usize, c: usize| {
+        let (a, e) = seg(q);
+        let s = (a + c * ce).min(e);
+        (s, (s + ce).min(e))
+    };
+    let cmax = (0..n)
+        .map(|q| (seg(q).1 - seg(q).0).div_ceil(ce))
+        .max()
+        .unwrap_or(0);
+    // The one order every rank follows: groups of `group` chunks, step-major within a
+    // group. A receive at (st, c) uses slot (st % 2, c % group), last used by an earlier
+    // item of the order, so every wait points to an earlier item: no cycle around the
+    // ring, with bounded scratch.
+    let mut send_list = Vec::with_capacity(steps * cmax);
+    let mut recv_list = Vec::with_capacity(steps * cmax);
+    for g0 in (0..cmax).step_by(group) {
+        for st in 0..steps {
+            for c in g0..(g0 + group).min(cmax) {
+                let (a, e) = chunk(send_seg(st), c);
+                if e > a {
+                    send_list.push((st, c));
+                }
+                let (a, e) = chunk(recv_seg(st), c);
+                if e > a {
+                    recv_list.push((st, c));
+                }
+            }
+        }
+    }
+    let slot_of = |st: usize, c: usize| (st % 2) * group + c % group;
+    let one_sided = b.right_out.is_some();
+    // On shm, the first all-gather send goes from the slot the last reduction wrote (as
+    // well as the output): fabric-core memory is sent by rendezvous, one copy, where the
+    // caller's output would take the eager path's two.
+    let fwd_slot = comm.domain.kind() == TransportKind::Shm && !one_sided;
+    // Whether the send at step `st` goes from a slot (that of the receive at `st - 1`).
+    let from_slot = |st: usize| st >= 1 && (st < rs_steps || (fwd_slot && st == rs_steps));
+    let mut ready: Vec<Vec<bool>> = (0..steps).map(|st| vec![st == 0; cmax]).collect();
+    let mut slot_busy = vec![false; 2 * group];
+    let notices = if one_sided {
+        // Notices: one buffer to send from (content unused), one to receive into.
+        Some((
+            comm.domain.register(8 * WINDOW, Access::empty())?,
+            comm.domain.register(8 * WINDOW, Access::empty())?,
+        ))
+    } else {
+        None
+    };
+    let ag_sends = send_list.iter().filter(|(st, _)| *st >= rs_steps).count();
+    let sends_total = send_list.len() + if one_sided { ag_sends } else { 0 };
+    let (mut si, mut ri) = (0usize, 0usize); // next send / receive in the lists
+    let (mut sends_done, mut recvs_done) = (0usize, 0usize);
+    let (mut sends_out, mut recvs_out) = (0usize, 0usize);
+    let mut done = Vec::with_capacity(2 * WINDOW);
+    let mut blk = std::mem::take(&mut comm.blk);
+    let mut idle = Idle::new();
+    let res = (|| -> Res<()> {
+        while sends_done < sends_total || recvs_done < recv_list.len() {
+            let mut moved = false;
+            // Receives, in order.
+            while ri < recv_list.len() && recvs_out < WINDOW {
+                let (st, c) = recv_list[ri];
+                let (a, e) = chunk(recv_seg(st), c);
+                let len = (e - a) * 4;
+                let buf = if st < rs_steps {
+                    let k = slot_of(st, c);
+                    if slot_busy[k] {
+                        break;
+                    }
+                    b.slots[k].slice(0, len)?
+                } else if let Some((_, nb)) = &notices {
+                    nb.slice(8 * (ri % WINDOW), 8)?
+                } else {
+                    b.out.slice(a * 4, len)?
+                };
+                if let Posted::Full(_) = comm.recv(left, buf, wr(RECV, st, c))? {
+                    break;
+                }
+                if st < rs_steps {
+                    slot_busy[slot_of(st, c)] = true;
+                }
+                recvs_out += 1;
+                ri += 1;
+                moved = true;
+            }
+            // Sends, in order, once ready.
+            while si < send_list.len() && sends_out + 2 <= WINDOW {
+                let (st, c) = send_list[si];
+                if !ready[st][c] {
+                    break;
+                }
+                let (a, e) = chunk(send_seg(st), c);
+                let len = (e - a) * 4;
+                let buf = if st == 0 {
+                    b.send.slice(a * 4, len)?
+                } else if from_slot(st) {
+                    b.slots[slot_of(st - 1, c)].slice(0, len)?
+                } else {
+                    b.out.slice(a * 4, len)?
+                };
+                match (&b.right_out, &notices) {
+                    (Some(key), Some((nb, _))) if st >= rs_steps => {
+                        let w = comm.write(right, buf, key, (a * 4) as u64, wr(WRITE, st, c))?;
+                        if let Posted::Full(_) = w {
+                            break;
+                        }
+                        // The notice follows the write (post order); a refused notice is
+                        // retried while polling.
+                        let mut nbuf = Some(nb.slice(8 * (si % WINDOW), 8)?);
+                        while let Some(x) = nbuf.take() {
+                            if let Posted::Full(x) = comm.send(right, x, wr(0, st, c))? {
+                                nbuf = Some(x);
+                                comm.poll(&mut done)?;
+                            }
+                        }
+                        sends_out += 2;
+                    }
+                    _ => {
+                        if let Posted::Full(_) = comm.send(right, buf, wr(0, st, c))? {
+                            break;
+                        }
+                        sends_out += 1;
+                    }
+                }
+                si += 1;
+                moved = true;
+            }
+            // Completions.
+            comm.poll(&mut done)?;
+            if !done.is_empty() {
+                moved = true;
+            }
+            for d in done.drain(..) {
+                let (kind, st, c) = unwr(d.wr_id);
+                if kind & RECV == 0 {
+                    sends_out -= 1;
+                    sends_done += 1;
+                    if from_slot(st) {
+                        slot_busy[slot_of(st - 1, c)] = false;
+                    }
+                    continue;
+                }
+                recvs_out -= 1;
+                recvs_done += 1;
+                let (a, e) = chunk(recv_seg(st), c);
+                let len = (e - a) * 4;
+                let want = if st >= rs_steps && one_sided { 8 } else { len };
+                if d.len != want {
+                    return Err(format!(
+                        "rank {left} sent {} bytes at step {st} chunk {c}, expected {want}",
+                        d.len
+                    )
+                    .into());
+                }
+                if st < rs_steps {
+                    let k = slot_of(st, c);
+                    let slot = &b.slots[k];
+                    if st + 1 < rs_steps {
+                        // A partial sum, in the slot: sent from there at the next step.
+                        let mut m = slot.bytes_mut()?;
+                        let mut o = 0;
+                        while o < len {
+                            let kk = (len - o).min(blk.len());
+                            b.send.read_at(a * 4 + o, &mut blk[..kk])?;
+                            add_f32(&mut m[o..o + kk], &blk[..kk]);
+                            o += kk;
+                        }
+                    } else if fwd_slot {
+                        // This rank's finished segment: in the slot (sent from there next)
+                        // and in the output.
+                        let mut m = slot.bytes_mut()?;
+                        let mut o = 0;
+                        while o < len {
+                            let kk = (len - o).min(blk.len());
+                            b.send.read_at(a * 4 + o, &mut blk[..kk])?;
+                            add_f32(&mut m[o..o + kk], &blk[..kk]);
+                            b.out.write_at(a * 4 + o, &m[o..o + kk])?;
+                            o += kk;
+                        }
+                    } else {
+                        // This rank's finished segment goes to the output.
+                        let t = slot.bytes()?;
+                        sum_to(&mut blk, b.out, a * 4, b.send, a * 4, &t[..len])?;
+                        drop(t);
+                        slot_busy[k] = false;
+                    }
+                }
+                if st + 1 < steps {
+                    ready[st + 1][c] = true;
+                }
+            }
+            if moved {
+                idle.progress();
+            } else {
+                idle.wait(comm, left)?;
+            }
+        }
+        Ok(())
+    })();
+    comm.blk = blk;
+    res
+}
+
+fn allreduce(comm: &mut Comm, algo: Algo, b: &Bufs<'_>) -> Res<()> {
+    match algo {
+        Algo::Rd => allreduce_rd(comm, b),
+        Algo::Ring => allreduce_ring(comm, b),
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The benchmark.
+
+/// This rank's input element `i` (small integers: every sum is exact in f32).
+fn input(rank: usize, i: usize) -> f32 {
+    ((i % 997) + 3 * rank + 1) as f32
+}
+
+fn expected(n: usize, i: usize) -> f32 {
+    (n * (i % 997) + 3 * n * (n - 1) / 2 + n) as f32
+}
+
+fn default_iters(bytes: usize) -> usize {
+    ((1usize << 30) / bytes.max(1)).clamp(5, 10_000)
+}
+
+fn sizes(min: usize, max: usize) -> Vec<usize> {
+    let mut v = Vec::new();
+    let mut s = min.max(4).next_power_of_two();
+    while s <= max {
+        v.push(s);
+        s *= 2;
+    }
+    v
+}
+
+/// Runs every size; `all_local`: every rank runs on this host (this run started them).
+fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, all_local: bool) -> Res<()> {
+    let rank = mesh.rank() as usize;
+    let n = mesh.size() as usize;
+    let kind = mesh.kind();
+    let (domain, peers) = mesh.into_parts();
+    let caps = peers.iter().flatten().next().map(|c| c.capabilities());
+    let cpus = std::thread::available_parallelism().map_or(1, |c| c.get());
+    let mut comm = Comm::new(rank, domain.clone(), peers, all_local && n > cpus)?;
+    let support = domain.memory_support();
+    let one_sided = args.one_sided
+        && caps.is_some_and(|c| c.one_sided)
+        && support
+            .caller_remote
+            .contains(fabric_core::MemoryKinds::HOST);
+    if args.one_sided && !one_sided && rank == 0 {
+        eprintln!("allreduce: {kind} cannot give peers write access to caller memory; two-sided all-gather instead");
+    }
+    let chunk = (args.chunk_bytes / 4).max(1) * 4;
+    let slots: Vec<fabric_core::Region> = (0..args.slots.max(2))
+        .map(|_| domain.register(chunk, Access::empty()))
+        .collect::<fabric_core::Result<_>>()?;
+    let tmp = domain.register(
+        args.rd_max_bytes.max(4).min(args.max_bytes.max(4)),
+        Access::empty(),
+    )?;
+    let sizes = sizes(args.min_bytes, args.max_bytes);
+    let pb = if rank == 0 {
+        ProgressBar::with_draw_target(Some(sizes.len() as u64), ProgressDrawTarget::stderr())
+    } else {
+        ProgressBar::hidden()
+    };
+    if !std::io::stderr().is_terminal() {
+        pb.set_draw_target(ProgressDrawTarget::hidden());
+    }
+    pb.set_style(
+        ProgressStyle::with_template("{spinner} {msg:>20} [{bar:30}] {pos}/{len}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    if rank == 0 {
+        println!(
+            "# fabric allreduce: {n} ranks, transport {kind}, f32 sum, out of place; \
+             rd up to {} B, ring chunk {chunk} B x {} slots{}",
+            args.rd_max_bytes,
+            slots.len(),
+            if one_sided {
+                ", one-sided all-gather"
+            } else {
+                ""
+            }
+        );
+        println!(
+            "# {:>10} {:>11} {:>8} {:>6} {:>11} {:>9} {:>9} {:>6}",
+            "size(B)", "count", "iters", "algo", "time(us)", "algbw", "busbw", "check"
+        );
+    }
+    for &bytes in &sizes {
+        pb.set_message(format!("{bytes} B"));
+        let count = bytes / 4;
+        let bytes = count * 4;
+        let algo = args.algo.unwrap_or(if bytes <= args.rd_max_bytes {
+            Algo::Rd
+        } else {
+            Algo::Ring
+        });
+        if algo == Algo::Rd && bytes > tmp.len() {
+            return Err(format!("--algo rd needs --rd-max-bytes >= {bytes}").into());
+        }
+        // The caller's own memory, registered in place.
+        let mut input_v: Vec<f32> = (0..count).map(|i| input(rank, i)).collect();
+        if args.inject_error && rank == n - 1 {
+            input_v[count / 2] += 1.0;
+        }
+        let out_access = if one_sided && algo == Algo::Ring {
+            Access::REMOTE_WRITE
+        } else {
+            Access::empty()
+        };
+        let send = domain.register_memory(input_v, Access::empty())?;
+        let out = domain.register_memory(vec![0f32; count], out_access)?;
+        let right_out = if out_access == Access::REMOTE_WRITE {
+            Some(exchange_keys(&mut comm, &out)?)
+        } else {
+            None
+        };
+        let b = Bufs {
+            send: &send,
+            out: &out,
+            tmp: &tmp,
+            slots: &slots,
+            right_out,
+            bytes,
+        };
+        let iters = args.iters.unwrap_or_else(|| default_iters(bytes)).max(1);
+        let warmup = args.warmup.unwrap_or(iters / 10).max(1);
+        for _ in 0..warmup {
+            allreduce(&mut comm, algo, &b)?;
+        }
+        barrier(&mut comm, &tmp)?;
+        let t0 = Instant::now();
+        for _ in 0..iters {
+            allreduce(&mut comm, algo, &b)?;
+        }
+        let us = t0.elapsed().as_secs_f64() * 1e6 / iters as f64;
+        let checked = if args.check {
+            // Poison the output, run once more, compare every element.
+            out.fill(0, bytes, 0xff)?;
+            barrier(&mut comm, &tmp)?;
+            allreduce(&mut comm, algo, &b)?;
+            check(&out, n, count, rank, bytes)?;
+            "ok"
+        } else {
+            "-"
+        };
+        barrier(&mut comm, &tmp)?;
+        if rank == 0 {
+            let algbw = bytes as f64 / us / 1e3;
+            let busbw = algbw * 2.0 * (n as f64 - 1.0) / n as f64;
+            pb.suspend(|| {
+                println!(
+                    "  {:>10} {:>11} {:>8} {:>6} {:>11.2} {:>9.3} {:>9.3} {:>6}",
+                    bytes,
+                    count,
+                    iters,
+                    algo.name(one_sided && algo == Algo::Ring),
+                    us,
+                    algbw,
+                    busbw,
+                    checked
+                )
+            });
+        }
+        pb.inc(1);
+    }
+    pb.finish_and_clear();
+    // Every rank leaves together (no connection closes under a peer still working).
+    barrier(&mut comm, &tmp)?;
+    Ok(())
+}
+
+fn check(out: &fabric_core::Region, n: usize, count: usize, rank: usize, bytes: usize) -> Res<()> {
+    let mut buf = vec![0u8; bytes.min(1 << 20)];
+    let mut o = 0;
+    while o < bytes {
+        let k = (bytes - o).min(buf.len());
+        out.read_at(o, &mut buf[..k])?;
+        for (j, w) in buf[..k].chunks_exact(4).enumerate() {
+            let i = o / 4 + j;
+            let got = f32::from_ne_bytes([w[0], w[1], w[2], w[3]]);
+            let want = expected(n, i);
+            if got != want {
+                return Err(format!(
+                    "wrong result at {bytes} B, element {i} of {count}: got {got}, expected {want} (rank {rank})"
+                )
+                .into());
+            }
+        }
+        o += k;
+    }
+    Ok(())
+}
+
+/// A 4-byte all-reduce as a barrier.
+fn barrier(comm: &mut Comm, tmp: &fabric_core::Region) -> Res<()> {
+    let d = comm.domain.clone();
+    let s = d.register_memory(vec![1f32], Access::empty())?;
+    let o = d.register_memory(vec![0f32], Access::empty())?;
+    let b = Bufs {
+        send: &s,
+        out: &o,
+        tmp,
+        slots: &[],
+        right_out: None,
+        bytes: 4,
+    };
+    allreduce_rd(comm, &b)
+}
+
+/// Gives the left neighbour our output's key; returns the right neighbour's.
+fn exchange_keys(comm: &mut Comm, out: &fabric_core::Region) -> Res<RemoteKey> {
+    let (n, r) = (comm.size, comm.rank);
+    let key = out
+        .remote_key()
+        .ok_or("the output region has no remote key")?;
+    let d = comm.domain.clone();
+    let mine = d.register(RemoteKey::PACKED_LEN, Access::empty())?;
+    mine.write_at(0, &key.pack())?;
+    let theirs = d.register(RemoteKey::PACKED_LEN, Access::empty())?;
+    let (left, right) = ((r + n - 1) % n, (r + 1) % n);
+    if left == right {
+        exchange(comm, right, &mine, &theirs, RemoteKey::PACKED_LEN)?;
+    } else {
+        // Send left, receive from right, in rank order so that nobody waits in a cycle:
+        // the receive is posted before the send.
+        let mut rbuf = Some(theirs.slice(0, RemoteKey::PACKED_LEN)?);
+        let mut sbuf = Some(mine.slice(0, RemoteKey::PACKED_LEN)?);
+        let (mut got, mut sent) = (false, false);
+        let mut done = Vec::new();
+        let mut idle = Idle::new();
+        while !(got && sent) {
+            if let Some(x) = rbuf.take() {
+                if let Posted::Full(x) = comm.recv(right, x, RECV)? {
+                    rbuf = Some(x);
+                }
+            }
+            if let Some(x) = sbuf.take() {
+                if let Posted::Full(x) = comm.send(left, x, 0)? {
+                    sbuf = Some(x);
+                }
+            }
+            done.clear();
+            if comm.poll(&mut done)? == 0 {
+                idle.wait(comm, right)?;
+                continue;
+            }
+            idle.progress();
+            for x in &done {
+                if x.wr_id & RECV != 0 {
+                    got = true;
+                } else {
+                    sent = true;
+                }
+            }
+        }
+    }
+    let mut k = [0u8; RemoteKey::PACKED_LEN];
+    theirs.read_at(0, &mut k)?;
+    Ok(RemoteKey::decode(&k)?)
+}

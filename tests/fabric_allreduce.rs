@@ -1,0 +1,321 @@
+//! `examples/allreduce` end to end: 2, 3 and 4 processes over shm and tcp (and verbs
+//! where an RDMA port is active), both algorithms forced over small sizes with tiny chunks
+//! (uneven segments, more chunks than slots), the one-sided all-gather, and a deliberately
+//! wrong input that the example's check must catch (non-zero exit).
+
+mod support;
+use std::path::PathBuf;
+use std::process::{Command, Output};
+use support::skip;
+
+fn example() -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let p = exe.parent()?.parent()?.join("examples").join("allreduce");
+    p.exists().then_some(p)
+}
+
+fn run(args: &[&str]) -> Option<Output> {
+    let Some(path) = example() else {
+        skip(
+            "examples",
+            format_args!("example binary allreduce not built next to this test"),
+        );
+        return None;
+    };
+    let out = Command::new(path)
+        .args(args)
+        .env_remove("FABRIC_TRANSPORT")
+        // Not under a launcher, whatever the test's environment says.
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .env_remove("OMPI_COMM_WORLD_RANK")
+        .env_remove("PMI_RANK")
+        .env_remove("SLURM_PROCID")
+        .output()
+        .expect("run allreduce");
+    Some(out)
+}
+
+/// Runs and requires success; returns the table rows (size, count, iters, algo, time,
+/// algbw, busbw, check).
+fn rows_of(args: &[&str]) -> Option<Vec<Vec<String>>> {
+    let out = run(args)?;
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "allreduce {args:?} failed: {}\nstdout:\n{stdout}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Some(
+        stdout
+            .lines()
+            .filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit()))
+            .map(|l| l.split_whitespace().map(str::to_string).collect())
+            .collect(),
+    )
+}
+
+/// Every size from `min` to `max` appears once, checked, with the algorithm asked for.
+fn assert_table(rows: &[Vec<String>], min: usize, max: usize, algo: &str, ctx: &str) {
+    let mut want = Vec::new();
+    let mut s = min;
+    while s <= max {
+        want.push(s.to_string());
+        s *= 2;
+    }
+    let sizes: Vec<&str> = rows.iter().map(|r| r[0].as_str()).collect();
+    assert_eq!(sizes, want, "{ctx}: sizes");
+    for r in rows {
+        assert_eq!(r.len(), 8, "{ctx}: {r:?}");
+        assert_eq!(r[3], algo, "{ctx}: {r:?}");
+        assert_eq!(r[7], "ok", "{ctx}: unchecked row {r:?}");
+        let t: f64 = r[4].parse().expect("time");
+        assert!(t > 0.0, "{ctx}: {r:?}");
+    }
+}
+
+fn correctness(transport: &str) {
+    for ranks in ["2", "3", "4"] {
+        let ctx = format!("{transport}, {ranks} ranks");
+        // Recursive doubling (folding in the extra ranks of 3).
+        let common = [
+            "--ranks",
+            ranks,
+            "--transport",
+            transport,
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+        ];
+        let mut a = common.to_vec();
+        a.extend(["--algo", "rd", "--min-bytes", "4", "--max-bytes", "256"]);
+        let Some(rows) = rows_of(&a) else { return };
+        assert_table(&rows, 4, 256, "rd", &ctx);
+        // The ring with 64-byte chunks and 2 slots: many chunks per segment, uneven
+        // segments (counts not divisible by 3), segments shorter than a chunk.
+        let mut a = common.to_vec();
+        a.extend([
+            "--algo",
+            "ring",
+            "--min-bytes",
+            "4",
+            "--max-bytes",
+            "4096",
+            "--chunk-bytes",
+            "64",
+            "--slots",
+            "2",
+        ]);
+        let rows = rows_of(&a).expect("built");
+        assert_table(&rows, 4, 4096, "ring", &ctx);
+        // The default choice across the threshold.
+        let mut a = common.to_vec();
+        a.extend([
+            "--rd-max-bytes",
+            "64",
+            "--min-bytes",
+            "32",
+            "--max-bytes",
+            "256",
+        ]);
+        let rows = rows_of(&a).expect("built");
+        assert_eq!(rows.len(), 4, "{ctx}");
+        assert!(rows.iter().all(|r| r[7] == "ok"), "{ctx}: {rows:?}");
+        assert_eq!(rows[0][3], "rd", "{ctx}");
+        assert_eq!(rows[3][3], "ring", "{ctx}");
+    }
+}
+
+#[test]
+fn correct_for_2_3_4_ranks_over_shm() {
+    correctness("shm");
+}
+
+#[test]
+fn correct_for_2_3_4_ranks_over_tcp() {
+    correctness("tcp");
+}
+
+#[test]
+fn one_sided_all_gather_over_tcp() {
+    for ranks in ["2", "3"] {
+        let Some(rows) = rows_of(&[
+            "--ranks",
+            ranks,
+            "--transport",
+            "tcp",
+            "--one-sided",
+            "--algo",
+            "ring",
+            "--min-bytes",
+            "4",
+            "--max-bytes",
+            "8192",
+            "--chunk-bytes",
+            "256",
+            "--iters",
+            "2",
+        ]) else {
+            return;
+        };
+        assert_table(
+            &rows,
+            4,
+            8192,
+            "ring-1s",
+            &format!("tcp one-sided, {ranks} ranks"),
+        );
+    }
+}
+
+/// The check can fail: one rank's input is off by one behind the check's back, and the run
+/// must exit non-zero naming the wrong element (for both algorithms).
+#[test]
+fn a_wrong_sum_fails_the_run() {
+    for algo in ["rd", "ring"] {
+        let Some(out) = run(&[
+            "--ranks",
+            "3",
+            "--algo",
+            algo,
+            "--min-bytes",
+            "64",
+            "--max-bytes",
+            "64",
+            "--iters",
+            "2",
+            "--inject-error",
+        ]) else {
+            return;
+        };
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success(),
+            "{algo}: a wrong sum passed:\n{stderr}"
+        );
+        assert!(
+            stderr.contains("wrong result at 64 B, element 8"),
+            "{algo}: {stderr}"
+        );
+    }
+}
+
+#[test]
+fn bad_arguments_fail_cleanly() {
+    let Some(out) = run(&["--ranks", "0"]) else {
+        return;
+    };
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--ranks"));
+}
+
+/// The launcher path: two processes started by "mpirun" (its environment, faked here)
+/// find each other through `FABRIC_BOOTSTRAP`; rank 0 prints the table, both exit 0.
+#[test]
+fn ranks_from_a_launchers_environment() {
+    let Some(path) = example() else {
+        skip(
+            "examples",
+            format_args!("example binary allreduce not built next to this test"),
+        );
+        return;
+    };
+    // A free loopback port for rank 0's rendezvous.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port();
+    let bootstrap = format!("127.0.0.1:{port}");
+    let children: Vec<_> = (0..2)
+        .map(|r| {
+            Command::new(&path)
+                .args(["--max-bytes", "256", "--iters", "2", "--transport", "tcp"])
+                .env_remove("FABRIC_TRANSPORT")
+                .env("OMPI_COMM_WORLD_RANK", r.to_string())
+                .env("OMPI_COMM_WORLD_SIZE", "2")
+                .env("FABRIC_BOOTSTRAP", &bootstrap)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("start a rank")
+        })
+        .collect();
+    let outs: Vec<Output> = children
+        .into_iter()
+        .map(|c| c.wait_with_output().expect("wait"))
+        .collect();
+    for (r, o) in outs.iter().enumerate() {
+        assert!(
+            o.status.success(),
+            "rank {r}: {}\n{}",
+            o.status,
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    let table = String::from_utf8_lossy(&outs[0].stdout);
+    assert!(table.contains("2 ranks, transport tcp"), "{table}");
+    let rows = table
+        .lines()
+        .filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit()))
+        .count();
+    assert_eq!(rows, 7, "{table}");
+    assert!(
+        outs[1].stdout.is_empty(),
+        "only rank 0 prints the table: {}",
+        String::from_utf8_lossy(&outs[1].stdout)
+    );
+}
+
+/// Over verbs where this machine has an active RDMA port (the Soft-RoCE guest).
+#[test]
+fn correct_over_verbs_when_available() {
+    if let Err(e) = (fabric_core::backend::verbs::ENTRY.probe)() {
+        skip("rdma", format_args!("allreduce over verbs: {e}"));
+        return;
+    }
+    for ranks in ["2", "3"] {
+        for algo in ["rd", "ring"] {
+            let Some(rows) = rows_of(&[
+                "--ranks",
+                ranks,
+                "--transport",
+                "verbs",
+                "--algo",
+                algo,
+                "--min-bytes",
+                "4",
+                "--max-bytes",
+                "16384",
+                "--chunk-bytes",
+                "1024",
+                "--iters",
+                "2",
+            ]) else {
+                return;
+            };
+            assert_table(&rows, 4, 16384, algo, &format!("verbs, {ranks} ranks"));
+        }
+    }
+    // Figures for the record (the guest emulates its CPUs: not a speed result).
+    let Some(out) = run(&[
+        "--transport",
+        "verbs",
+        "--max-bytes",
+        "1048576",
+        "--iters",
+        "20",
+        "--warmup",
+        "2",
+    ]) else {
+        return;
+    };
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{table}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("allreduce over verbs, 2 ranks:\n{table}");
+}
