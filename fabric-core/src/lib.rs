@@ -106,6 +106,6 @@ pub use error::{DecodeError, Error, Result};
 pub use memory::{AlignedBuf, Plain, RegisterMemory};
 pub use region::{Access, Buf, LocalMut, LocalRef, Region};
 pub use transport::{
-    AtomicOp, Capabilities, Completion, MemoryKinds, MessageOrdering, OpKind, PostError,
-    PostResult, RemoteKey, Status, Transport, TransportKind,
+    AtomicOp, Capabilities, Completion, GroupPostError, MemoryKinds, MessageOrdering, OpKind,
+    PostError, PostResult, RecvPart, RemoteKey, Status, Transport, TransportKind,
 };

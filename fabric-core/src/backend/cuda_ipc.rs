@@ -559,6 +559,7 @@ fn finish(sock: UnixStream, device: &nv::Device, opts: &Options) -> Result<Box<d
         max_in_flight: opts.max_in_flight,
         inline_size: 0,
         memory_kinds: MemoryKinds::CUDA_DEVICE,
+        ..Capabilities::default()
     };
     let mut hal = CudaIpcHal {
         conn,
