@@ -592,7 +592,7 @@ impl Tracker {
                     .caps
                     .unexpected_bytes
                     .saturating_sub(self.unexpected_bytes)
-            && self.unexpected.back().is_none_or(|u| u.complete)
+            && !matches!(self.unexpected.back(), Some(u) if !u.complete)
     }
 
     /// Queues an unexpected message (tag, immediate, the length its receive will report,
