@@ -20,6 +20,40 @@ use support::skip;
 
 const DEADLINE: Duration = Duration::from_secs(20);
 
+/// Counts the heap allocations of the current thread (other tests' threads do not
+/// disturb a count).
+struct Counting;
+
+thread_local! {
+    static ALLOCS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+// SAFETY: forwards to the system allocator unchanged; the counter is a const-initialised
+// thread-local Cell, which does not allocate.
+unsafe impl std::alloc::GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: std::alloc::Layout) -> *mut u8 {
+        let _ = ALLOCS.try_with(|c| c.set(c.get() + 1));
+        // SAFETY: the caller's contract is passed on as is.
+        unsafe { std::alloc::System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: std::alloc::Layout) {
+        // SAFETY: as above.
+        unsafe { std::alloc::System.dealloc(p, l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: std::alloc::Layout, n: usize) -> *mut u8 {
+        let _ = ALLOCS.try_with(|c| c.set(c.get() + 1));
+        // SAFETY: as above.
+        unsafe { std::alloc::System.realloc(p, l, n) }
+    }
+}
+
+#[global_allocator]
+static COUNTING: Counting = Counting;
+
+fn allocs() -> u64 {
+    ALLOCS.with(|c| c.get())
+}
+
 type Pair = (Box<dyn Transport>, Box<dyn Transport>);
 
 /// A connected pair (listener side, connector side), or `None` when the backend cannot
@@ -715,5 +749,59 @@ fn tcp_malformed_tag_frames_fail_the_connection_cleanly() {
             "{bad}: {}",
             e.error
         );
+    }
+}
+
+/// The matching costs nothing on the hot path: plain messages, and tagged ones whose
+/// receive is posted first, allocate nothing per message (shm: eager and rendezvous).
+#[test]
+fn in_order_traffic_allocates_nothing_per_message() {
+    for kind in kinds() {
+        let (mut a, mut b) = pair(kind, &Options::default()).unwrap();
+        let src = b.register(1 << 16, Access::empty()).unwrap();
+        let dst = a.register(1 << 16, Access::LOCAL_WRITE).unwrap();
+        let mut out = [Completion::default(), Completion::default()];
+        let mut round = |a: &mut dyn Transport, b: &mut dyn Transport, n: usize, tagged: bool| {
+            let (rb, sb) = (dst.slice(0, n).unwrap(), src.slice(0, n).unwrap());
+            if tagged {
+                a.post_recv_tagged(rb, 5, !0, 1)
+                    .map_err(|e| e.error)
+                    .unwrap();
+                b.post_send_tagged(sb, 5, 2).map_err(|e| e.error).unwrap();
+            } else {
+                a.post_recv(rb, 1).map_err(|e| e.error).unwrap();
+                b.post_send(sb, 2).map_err(|e| e.error).unwrap();
+            }
+            let (mut got_a, mut got_b) = (false, false);
+            let end = Instant::now() + DEADLINE;
+            while !(got_a && got_b) {
+                assert!(Instant::now() < end, "round stuck");
+                if a.poll(&mut out[..1]).unwrap() == 1 {
+                    assert!(out[0].status.is_ok());
+                    out[0].buf = None;
+                    got_a = true;
+                }
+                if b.poll(&mut out[1..]).unwrap() == 1 {
+                    assert!(out[1].status.is_ok());
+                    out[1].buf = None;
+                    got_b = true;
+                }
+            }
+        };
+        for (n, tagged) in [(64, false), (64, true), (8192, false), (8192, true)] {
+            for _ in 0..50 {
+                round(a.as_mut(), b.as_mut(), n, tagged); // warm-up
+            }
+            let before = allocs();
+            for _ in 0..500 {
+                round(a.as_mut(), b.as_mut(), n, tagged);
+            }
+            let per = (allocs() - before) as f64 / 500.0;
+            println!("{kind}: {n} B, tagged {tagged}: {per} allocations per message");
+            assert_eq!(
+                per, 0.0,
+                "{kind}: {n} B tagged={tagged} allocates per message"
+            );
+        }
     }
 }

@@ -184,6 +184,8 @@ struct Live {
 #[derive(Debug, Clone, Copy)]
 struct PostedM {
     seq: u64,
+    /// Kept: a receive finished and taken stays in the queue (stale) until it is matched.
+    token: Token,
     part: u32,
     tag: u64,
     mask: u64,
@@ -294,8 +296,10 @@ impl Model {
             }
             return;
         }
+        let token = self.live[&seq].token;
         self.recv.push_back(PostedM {
             seq,
+            token,
             part,
             tag,
             mask,
@@ -311,6 +315,29 @@ const STATUSES: [Status; 6] = [
     Status::ProtocolError,
     Status::Canceled,
 ];
+
+/// Whether a completion is the model's op `l`, in every field and buffer.
+fn same(c: &Completion, l: &Live) -> bool {
+    let Some((len, tag, imm)) = l.result else {
+        return false;
+    };
+    if (c.wr_id, c.op, Some(c.status), c.len, c.tag, c.imm)
+        != (l.wr_id, l.kind, l.done, len, tag, imm)
+    {
+        return false;
+    }
+    let at = |b: &fabric_core::Buf| (b.region().id(), b.offset(), b.len());
+    if l.kind != OpKind::RecvGroup {
+        return c.parts.is_empty() && c.buf.as_ref().map(at) == Some((l.region, l.off, l.len));
+    }
+    let group = l.done.unwrap_or(Status::Success);
+    c.buf.is_none()
+        && c.parts.len() == l.parts.len()
+        && c.parts.iter().zip(&l.parts).all(|(p, q)| {
+            at(&p.buf) == (q.region, q.off, q.cap)
+                && (p.status, p.len, p.tag, p.imm) == q.done.unwrap_or((group, 0, 0, None))
+        })
+}
 
 /// Checks a completion's length, tag, immediate and (grouped receives) parts against the
 /// model; returns its (first) buffer as (region, offset, len).
@@ -576,7 +603,13 @@ fuzz_target!(|inp: Input| {
                         } else {
                             submit.push_back(seq);
                         }
-                        assert_eq!(t.get(token).map(|p| p.wr_id), Some(wr_id as u64));
+                        // Finished at once (a flush; a receive that took a queued message)
+                        // or live.
+                        let done = m.live[&seq].done.is_some();
+                        assert_eq!(
+                            t.get(token).map(|p| p.wr_id),
+                            (!done).then_some(wr_id as u64)
+                        );
                     }
                     Err(e) => {
                         assert_eq!(
@@ -711,10 +744,9 @@ fuzz_target!(|inp: Input| {
                     (None, None) => {}
                     (Some(at), Some(i)) => {
                         let p = m.recv.remove(i).unwrap();
-                        let tok = m.live.get(&p.seq).map(|l| l.token);
                         assert_eq!(
-                            (Some(at.token), at.part),
-                            (tok, p.part),
+                            (at.token, at.part),
+                            (p.token, p.part),
                             "matched another receive"
                         );
                         // The backend copies into the receive's buffer when it is live.
@@ -810,7 +842,7 @@ fuzz_target!(|inp: Input| {
                 let want = m
                     .recv
                     .pop_front()
-                    .map(|p| (m.live.get(&p.seq).map(|l| l.token), p.seq));
+                    .map(|p| (m.live.contains_key(&p.seq).then_some(p.token), p.seq));
                 match (got, want) {
                     (None, None) => {}
                     (Some(g), Some((Some(w), _))) => assert_eq!(g, w),
@@ -864,12 +896,12 @@ fuzz_target!(|inp: Input| {
                 for c in out.iter_mut().take(k) {
                     let s = m.ready.pop_front().expect("model ready");
                     let l = m.live.remove(&s).expect("model live");
-                    let buf = check_completion(c, &l);
                     assert_eq!(
                         (c.wr_id, c.op, Some(c.status)),
                         (l.wr_id, l.kind, l.done),
                         "completion out of order or mixed up"
                     );
+                    let buf = check_completion(c, &l);
                     assert_eq!(buf, (l.region, l.off, l.len), "wrong buffer returned");
                     assert!(t.get(l.token).is_none(), "taken token still live");
                     taken_tokens.push(l.token);
@@ -908,17 +940,12 @@ fuzz_target!(|inp: Input| {
                 let k = t.take(&mut out);
                 assert_eq!(k, m.live.len(), "fail_all left operations unfinished");
                 for c in out.iter_mut().take(k) {
-                    let first = match (&c.buf, c.parts.first()) {
-                        (Some(b), _) | (None, Some(fabric_core::RecvPart { buf: b, .. })) => {
-                            (b.region().id(), b.offset(), b.len())
-                        }
-                        (None, None) => panic!("completion without its buffer"),
-                    };
-                    let key = (c.wr_id, c.op, Some(c.status), first.0, first.1, first.2);
+                    // Completions of one failure come in the tracker's order: find the op
+                    // in flight that this one is, all of it (kind, status, result, buffers).
                     let (&s, _) = m
                         .live
                         .iter()
-                        .find(|(_, l)| (l.wr_id, l.kind, l.done, l.region, l.off, l.len) == key)
+                        .find(|(_, l)| same(c, l))
                         .expect("completion matches an op in flight, with its own buffer");
                     let l = m.live.remove(&s).unwrap();
                     check_completion(c, &l);
