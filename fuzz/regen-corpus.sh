@@ -11,16 +11,18 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 target=${1:?usage: fuzz/regen-corpus.sh TARGET [SECONDS]}
 secs=${2:-120}
 nightly=${FABRIC_NIGHTLY:-nightly}
+# Build flags of cargo fuzz (default: debug assertions, as ci/hardening.sh builds).
+read -r -a flags <<< "${FUZZ_BUILD_FLAGS--a}"
 [ -f "fuzz/fuzz_targets/$target.rs" ] || { echo "no fuzz target $target" >&2; exit 2; }
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/found" "$work/min"
-cargo +"$nightly" fuzz run --fuzz-dir fuzz -a "$target" "$work/found" -- \
+cargo +"$nightly" fuzz run --fuzz-dir fuzz "${flags[@]}" "$target" "$work/found" -- \
   -max_total_time="$secs" -rss_limit_mb=2048 -timeout=10 -print_final_stats=1 \
   >"$work/run.log" 2>&1 || { tail -n 40 "$work/run.log" >&2; exit 1; }
 found=$(find "$work/found" -type f | wc -l)
 # -merge=1 into an empty directory keeps a minimal subset with the same coverage.
-cargo +"$nightly" fuzz run --fuzz-dir fuzz -a "$target" "$work/min" "$work/found" -- \
+cargo +"$nightly" fuzz run --fuzz-dir fuzz "${flags[@]}" "$target" "$work/min" "$work/found" -- \
   -merge=1 >"$work/merge.log" 2>&1 || { tail -n 40 "$work/merge.log" >&2; exit 1; }
 kept=$(find "$work/min" -type f | wc -l)
 ((kept > 0)) || { echo "no seeds kept for $target" >&2; exit 1; }
