@@ -578,7 +578,8 @@ fn a_too_long_message_or_refused_access_does_what_capabilities_say() {
 
 /// The verbs backend, where an RDMA device exists: write with immediate consumes a
 /// receive; tags and grouped receives are refused as its capabilities say; host flush
-/// completes at once; a too-long message kills the connection, as the flag says.
+/// completes at once; a too-long message fails its receive and kills the connection, as
+/// the flag says.
 #[test]
 fn verbs_messaging_matches_its_capabilities() {
     let Some((mut a, mut b)) = pair(TransportKind::Verbs, &Options::default()) else {
@@ -647,7 +648,11 @@ fn verbs_messaging_matches_its_capabilities() {
         .map_err(|e| e.error)
         .unwrap();
     let c = next(a.as_mut(), b.as_mut(), &mut sent);
-    assert_eq!((c.wr_id, c.status), (5, Status::MessageTooLong));
+    // The provider names the error (rxe: a local QP operation error, hence ProtocolError;
+    // other NICs: a local length error, MessageTooLong); either way the receive fails.
+    println!("verbs too-long receive: {:?}", c.status);
+    assert_eq!(c.wr_id, 5);
+    assert!(!c.status.is_ok(), "a too-long message was received: {c:?}");
     let c = next(a.as_mut(), b.as_mut(), &mut sent);
     assert_eq!(c.wr_id, 6);
     assert!(
