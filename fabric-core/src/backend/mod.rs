@@ -112,7 +112,7 @@ pub struct Options {
     pub verbs_gid_index: Option<u8>,
     /// Most messages a connection's unexpected queue holds (messages that arrived while
     /// receives were posted but none matched their tag; see
-    /// [`Capabilities`](crate::Capabilities)). Default 1024.
+    /// [`Capabilities`]). Default 1024.
     pub unexpected_messages: usize,
     /// Most payload bytes a connection's unexpected queue holds. Default 4 MiB.
     pub unexpected_bytes: usize,
