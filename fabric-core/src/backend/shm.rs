@@ -1449,6 +1449,17 @@ mod tests {
         );
         assert!(decode_hello(&hello_bytes(1 << 40)).is_err(), "too large");
         assert!(decode_hello(&[0u8; HELLO_LEN]).is_err());
+        // A version 1 peer (no tags in its records) gets a typed version error.
+        let mut v1 = hello_bytes(1 << 20);
+        v1[8..12].copy_from_slice(&1u32.to_le_bytes());
+        assert_eq!(
+            decode_hello(&v1),
+            Err(crate::DecodeError::Version {
+                what: "shm hello",
+                found: 1,
+                expected: 2
+            })
+        );
         assert!(decode_hello(&[0u8; 3]).is_err());
 
         let mut a = [0u8; ANN_LEN];
