@@ -135,11 +135,11 @@ fn tcp_connection_refuses_a_4gib_frame() {
     let opts = opts();
     let mut l = backend::listen(TransportKind::Tcp, &opts).unwrap();
     let addr = tcp_addr(l.as_ref());
-    // A raw peer that passes the 32-byte hello ("FBFBTCP1", no flags, a nonce), then sends a Send
+    // A raw peer that passes the 32-byte hello (HELLO_MAGIC, no flags, a nonce), then sends a Send
     // frame header whose length field says 4 GiB - 1.
     let mut raw = TcpStream::connect(&addr).unwrap();
     let mut hello = [0u8; fabric_core::backend::tcp::HELLO_LEN];
-    hello[..8].copy_from_slice(&0x3150_4354_4246_4246u64.to_le_bytes());
+    hello[..8].copy_from_slice(&fabric_core::backend::tcp::HELLO_MAGIC.to_le_bytes());
     raw.write_all(&hello).unwrap();
     let end = Instant::now() + Duration::from_secs(10);
     let mut t = loop {
@@ -234,7 +234,7 @@ fn premature_response(forged_slot: u64) {
     let addr = tcp_addr(l.as_ref());
     let mut raw = TcpStream::connect(&addr).unwrap();
     let mut hello = [0u8; fabric_core::backend::tcp::HELLO_LEN];
-    hello[..8].copy_from_slice(&0x3150_4354_4246_4246u64.to_le_bytes());
+    hello[..8].copy_from_slice(&fabric_core::backend::tcp::HELLO_MAGIC.to_le_bytes());
     raw.write_all(&hello).unwrap();
     let end = Instant::now() + Duration::from_secs(10);
     let mut t = loop {
@@ -384,7 +384,7 @@ fn tcp_listener_with_a_shared_secret_refuses_strangers() {
     // A raw peer that sends a plain hello and waits: dropped, never accepted.
     let mut raw = TcpStream::connect(tcp_addr(l.as_ref())).unwrap();
     let mut hello = [0u8; fabric_core::backend::tcp::HELLO_LEN];
-    hello[..8].copy_from_slice(&0x3150_4354_4246_4246u64.to_le_bytes());
+    hello[..8].copy_from_slice(&fabric_core::backend::tcp::HELLO_MAGIC.to_le_bytes());
     raw.write_all(&hello).unwrap();
     for _ in 0..50 {
         assert!(

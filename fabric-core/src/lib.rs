@@ -77,6 +77,11 @@
 //!   "fail everything in flight" when a connection dies — each posted buffer comes back
 //!   exactly once. Backends (`backend/*.rs`) only move bytes; a new one is a file exporting a
 //!   [`backend::BackendEntry`] plus one line in [`backend::BACKENDS`].
+//! * **Messaging** (see [`Capabilities`]): tagged sends and receives with a mask, matched
+//!   once in the tracker (receives in post order, messages in arrival order) with a bounded
+//!   unexpected-message queue; grouped receives (one completion, per-part lengths); write
+//!   with immediate data; flush; flags saying whether a too-long message or a refused remote
+//!   access kills the connection (verbs RC) or fails only that operation (shm, tcp).
 //! * **shm** ([`backend::shm`]): sealed `memfd` channel with two lock-free SPSC
 //!   [`ring`]s (the `sync` shim swaps in loom under `--cfg fabric_loom`), fds over
 //!   `SCM_RIGHTS` on an abstract Unix socket, peer uid checked; rendezvous (one copy) from
@@ -117,8 +122,8 @@ pub use error::{DecodeError, Error, Result};
 pub use memory::{AlignedBuf, Plain, RegisterError, RegisterMemory};
 pub use region::{Access, Buf, LocalMut, LocalRef, Region};
 pub use transport::{
-    AtomicOp, Capabilities, Completion, MemoryKinds, MessageOrdering, OpKind, PostError,
-    PostResult, RemoteKey, Status, Transport, TransportKind,
+    AtomicOp, Capabilities, Completion, GroupPostError, MemoryKinds, MessageOrdering, OpKind,
+    PostError, PostResult, RecvPart, RemoteKey, Status, Transport, TransportKind,
 };
 #[cfg(not(fabric_loom))]
 pub use worker::{EndpointId, Event, Worker};

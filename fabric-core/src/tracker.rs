@@ -6,13 +6,21 @@
 //! dies. Backends ("hals") only move bytes: they take tokens from the queues, and report
 //! `complete(token, status, ...)`. A test (or a fuzz target) drives it with any sequence of
 //! posts, completions and failures and checks that every buffer comes back exactly once.
+//!
+//! Message matching lives here too (see [`Capabilities`] for the semantics): posted
+//! receives (and parts of grouped receives) with their `(tag, mask)` in post order
+//! ([`match_message`](Tracker::match_message)), and the bounded unexpected queue
+//! ([`stash_begin`](Tracker::stash_begin) / [`stash_end`](Tracker::stash_end)) that a
+//! later receive takes messages from. Backends only say "a message with tag T and this
+//! many bytes is here" and copy the bytes where they are told.
 
 use std::collections::VecDeque;
 
 use crate::error::Error;
 use crate::region::{check_range, Access, Buf, Region};
 use crate::transport::{
-    AtomicOp, Capabilities, Completion, OpKind, PostError, RemoteKey, Status, TransportKind,
+    AtomicOp, Capabilities, Completion, GroupPostError, OpKind, PostError, RecvPart, RemoteKey,
+    Status, TransportKind,
 };
 
 /// A handle on an in-flight slot: index in the low 32 bits, generation in the high 32.
@@ -84,10 +92,18 @@ pub struct Pending {
     pub wr_id: u64,
     /// What it is.
     pub desc: OpDesc,
-    /// The buffer, owned until the completion is taken.
+    /// The buffer, owned until the completion is taken (a grouped receive: its first
+    /// part's).
     pub buf: Buf,
     /// Bytes already moved (backends that progress an operation in pieces).
     pub progress: usize,
+    /// Sends: the tag the message carries (0 for a plain send). Receives: the matched
+    /// message's tag, once it completed.
+    pub tag: u64,
+    /// Writes with immediate: the immediate (`None` for a plain write). Receives: the
+    /// immediate of the write-imm notification that completed it.
+    pub imm: Option<u32>,
+    kind: OpKind,
     status: Status,
     len: usize,
     value: u64,
@@ -95,6 +111,79 @@ pub struct Pending {
     /// Handed to the wire in full and waiting for the peer's response (one-sided ops of
     /// backends whose peer answers them; see [`Tracker::mark_awaiting`]).
     awaiting: bool,
+    /// The parts of a grouped receive (empty otherwise; part 0's buffer is `buf`).
+    parts: Vec<PartState>,
+    /// Parts not yet filled.
+    parts_left: usize,
+}
+
+impl Pending {
+    /// Whether this is a write with immediate data.
+    pub fn is_write_imm(&self) -> bool {
+        self.imm.is_some() && matches!(self.desc, OpDesc::Write { .. })
+    }
+}
+
+/// One part of a grouped receive.
+#[derive(Debug)]
+struct PartState {
+    /// `None` for part 0 (its buffer is the operation's `buf`).
+    buf: Option<Buf>,
+    len: usize,
+    tag: u64,
+    imm: Option<u32>,
+    status: Status,
+    done: bool,
+}
+
+/// Where an incoming message goes: a posted receive, or one part of a grouped receive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecvRef {
+    /// The receive's token.
+    pub token: Token,
+    /// The part (0 for a plain receive).
+    pub part: u32,
+}
+
+/// A posted receive waiting for a message.
+#[derive(Debug, Clone, Copy)]
+struct Posted {
+    at: RecvRef,
+    tag: u64,
+    mask: u64,
+}
+
+/// A message that arrived with no matching receive posted.
+#[derive(Debug)]
+struct Unexpected {
+    tag: u64,
+    imm: Option<u32>,
+    /// The length the receive reports (the payload's, or a write-imm's written bytes).
+    len: usize,
+    data: Vec<u8>,
+    /// Every byte arrived.
+    complete: bool,
+    /// A receive that matched it before it was complete.
+    bound: Option<RecvRef>,
+}
+
+/// Whether a message tagged `msg` matches a receive `(tag, mask)`.
+#[inline]
+pub fn tag_matches(msg: u64, tag: u64, mask: u64) -> bool {
+    (msg ^ tag) & mask == 0
+}
+
+impl PartState {
+    fn new(buf: Option<Buf>) -> Self {
+        PartState {
+            buf,
+            len: 0,
+            tag: 0,
+            imm: None,
+            status: Status::Success,
+            done: false,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -112,8 +201,10 @@ pub struct Tracker {
     slots: Vec<Slot>,
     free: Vec<u32>,
     submit: VecDeque<Token>,
-    recv: VecDeque<Token>,
+    recv: VecDeque<Posted>,
     ready: VecDeque<Token>,
+    unexpected: VecDeque<Unexpected>,
+    unexpected_bytes: usize,
     live: usize,
     failed: Option<(Status, String)>,
     regions: Vec<Option<Region>>,
@@ -134,6 +225,8 @@ impl Tracker {
             submit: VecDeque::with_capacity(n),
             recv: VecDeque::with_capacity(n),
             ready: VecDeque::with_capacity(n),
+            unexpected: VecDeque::new(),
+            unexpected_bytes: 0,
             live: 0,
             failed: None,
             regions: Vec::new(),
@@ -156,9 +249,199 @@ impl Tracker {
     /// A [`PostError`] (with the buffer) when the post is invalid, the table is full
     /// ([`Error::WouldBlock`]) or the connection has failed ([`Error::Disconnected`]).
     pub fn post(&mut self, desc: OpDesc, buf: Buf, wr_id: u64) -> Result<Token, PostError> {
+        // A plain receive has mask 0: it takes any message.
+        self.post_with(desc, buf, wr_id, 0, 0, None)
+    }
+
+    /// [`post`](Self::post) of a send carrying `tag`.
+    ///
+    /// # Errors
+    /// As [`post`](Self::post); [`Error::Unsupported`] without [`Capabilities::tagged`].
+    pub fn post_send_tagged(&mut self, buf: Buf, tag: u64, wr_id: u64) -> Result<Token, PostError> {
+        if let Err(error) = self.need(self.caps.tagged, "tagged messages") {
+            return Err(PostError { error, buf });
+        }
+        self.post_with(OpDesc::Send, buf, wr_id, tag, !0, None)
+    }
+
+    /// [`post`](Self::post) of a receive matching `(tag, mask)`; it takes a queued
+    /// unexpected message at once when one matches.
+    ///
+    /// # Errors
+    /// As [`post`](Self::post); [`Error::Unsupported`] without [`Capabilities::tagged`].
+    pub fn post_recv_tagged(
+        &mut self,
+        buf: Buf,
+        tag: u64,
+        mask: u64,
+        wr_id: u64,
+    ) -> Result<Token, PostError> {
+        if let Err(error) = self.need(self.caps.tagged, "tagged messages") {
+            return Err(PostError { error, buf });
+        }
+        self.post_with(OpDesc::Recv, buf, wr_id, tag, mask, None)
+    }
+
+    /// [`post`](Self::post) of a write that notifies the target with `imm`.
+    ///
+    /// # Errors
+    /// As [`post`](Self::post); [`Error::Unsupported`] without [`Capabilities::write_imm`].
+    pub fn post_write_imm(
+        &mut self,
+        buf: Buf,
+        key: RemoteKey,
+        off: u64,
+        imm: u32,
+        wr_id: u64,
+    ) -> Result<Token, PostError> {
+        if let Err(error) = self.need(self.caps.write_imm, "write with immediate") {
+            return Err(PostError { error, buf });
+        }
+        self.post_with(OpDesc::Write { key, off }, buf, wr_id, 0, !0, Some(imm))
+    }
+
+    /// A flush that has nothing to wait for (host memory; transports where the CPU moves
+    /// the bytes): it completes at once ([`OpKind::Flush`], `len` = the buffer's).
+    ///
+    /// # Errors
+    /// [`Error::Foreign`], [`Error::Disconnected`], [`Error::WouldBlock`] (table full).
+    pub fn post_flush_done(&mut self, buf: Buf, wr_id: u64) -> Result<Token, PostError> {
+        if let Err(error) = self.common(&buf) {
+            return Err(PostError { error, buf });
+        }
+        let len = buf.len();
+        let token = self.insert(OpDesc::Send, OpKind::Flush, buf, wr_id, 0, None)?;
+        self.complete(token, Status::Success, len, 0);
+        Ok(token)
+    }
+
+    /// A grouped receive: every part `(buf, tag, mask)` is matched as its own receive, in
+    /// the order given; one [`OpKind::RecvGroup`] completion comes when all are filled.
+    ///
+    /// # Errors
+    /// [`GroupPostError`] with every buffer back: [`Error::Unsupported`] without grouped
+    /// receives, [`Error::InvalidArgument`] for no parts or more than
+    /// [`Capabilities::max_group`], a part's own validation error, or backpressure.
+    pub fn post_recv_group(
+        &mut self,
+        parts: Vec<(Buf, u64, u64)>,
+        wr_id: u64,
+    ) -> Result<Token, GroupPostError> {
+        let fail = |error, parts: Vec<(Buf, u64, u64)>| GroupPostError {
+            error,
+            bufs: parts.into_iter().map(|(b, _, _)| b).collect(),
+        };
+        if let Err(e) = self.need(self.caps.max_group > 0, "grouped receives") {
+            return Err(fail(e, parts));
+        }
+        if parts.is_empty() || parts.len() > self.caps.max_group {
+            let e = Error::InvalidArgument(format!(
+                "a grouped receive needs 1 to {} parts, not {}",
+                self.caps.max_group,
+                parts.len()
+            ));
+            return Err(fail(e, parts));
+        }
+        for (b, _, _) in &parts {
+            if let Err(e) = self.validate(&OpDesc::Recv, b) {
+                return Err(fail(e, parts));
+            }
+        }
+        if self.free.is_empty() {
+            return Err(fail(Error::WouldBlock("in-flight table"), parts));
+        }
+        let n = parts.len();
+        let mut it = parts.into_iter();
+        let Some((first, tag0, mask0)) = it.next() else {
+            return Err(fail(Error::InvalidArgument("no parts".into()), Vec::new()));
+        };
+        let mut matching = Vec::with_capacity(n);
+        matching.push((tag0, mask0));
+        let mut states = Vec::with_capacity(n);
+        states.push(PartState::new(None));
+        for (b, tag, mask) in it {
+            matching.push((tag, mask));
+            states.push(PartState::new(Some(b)));
+        }
+        let token = match self.insert(OpDesc::Recv, OpKind::RecvGroup, first, wr_id, 0, None) {
+            Ok(t) => t,
+            Err(e) => {
+                let mut bufs = vec![e.buf];
+                bufs.extend(states.into_iter().filter_map(|p| p.buf));
+                return Err(GroupPostError {
+                    error: e.error,
+                    bufs,
+                });
+            }
+        };
+        if let Some(p) = self.get_mut(token) {
+            p.parts = states;
+            p.parts_left = n;
+        }
+        for (i, (tag, mask)) in matching.into_iter().enumerate() {
+            self.enqueue_recv(
+                RecvRef {
+                    token,
+                    part: i as u32,
+                },
+                tag,
+                mask,
+            );
+        }
+        Ok(token)
+    }
+
+    fn need(&self, have: bool, what: &'static str) -> Result<(), Error> {
+        if let Some((_, why)) = &self.failed {
+            return Err(Error::Disconnected(why.clone()));
+        }
+        if have {
+            Ok(())
+        } else {
+            Err(Error::Unsupported {
+                transport: self.kind,
+                what,
+            })
+        }
+    }
+
+    fn post_with(
+        &mut self,
+        desc: OpDesc,
+        buf: Buf,
+        wr_id: u64,
+        tag: u64,
+        mask: u64,
+        imm: Option<u32>,
+    ) -> Result<Token, PostError> {
         if let Err(error) = self.validate(&desc, &buf) {
             return Err(PostError { error, buf });
         }
+        let kind = match (desc, imm) {
+            (OpDesc::Write { .. }, Some(_)) => OpKind::WriteImm,
+            _ => desc.kind(),
+        };
+        let send_tag = if desc == OpDesc::Send { tag } else { 0 };
+        let token = self.insert(desc, kind, buf, wr_id, send_tag, imm)?;
+        if desc == OpDesc::Recv {
+            self.enqueue_recv(RecvRef { token, part: 0 }, tag, mask);
+        } else {
+            // Capacity equals the slot count, so this never reallocates.
+            self.submit.push_back(token);
+        }
+        Ok(token)
+    }
+
+    /// Takes a slot for an operation that already passed validation.
+    fn insert(
+        &mut self,
+        desc: OpDesc,
+        kind: OpKind,
+        buf: Buf,
+        wr_id: u64,
+        tag: u64,
+        imm: Option<u32>,
+    ) -> Result<Token, PostError> {
         let Some(idx) = self.free.pop() else {
             return Err(PostError {
                 error: Error::WouldBlock("in-flight table"),
@@ -172,30 +455,241 @@ impl Tracker {
             desc,
             buf,
             progress: 0,
+            tag,
+            imm,
+            kind,
             status: Status::Success,
             len: 0,
             value: 0,
             done: false,
             awaiting: false,
+            parts: Vec::new(),
+            parts_left: 0,
         });
         self.live += 1;
-        // Capacity equals the slot count, so these never reallocate.
-        if desc == OpDesc::Recv {
-            self.recv.push_back(token);
-        } else {
-            self.submit.push_back(token);
-        }
         Ok(token)
     }
 
-    fn validate(&self, desc: &OpDesc, buf: &Buf) -> Result<(), Error> {
+    /// A receive (part) starts matching: the oldest queued unexpected message that matches
+    /// is its (now, or when its last byte arrives); else it waits in post order.
+    fn enqueue_recv(&mut self, at: RecvRef, tag: u64, mask: u64) {
+        if !self.unexpected.is_empty() {
+            let hit = self
+                .unexpected
+                .iter()
+                .position(|u| u.bound.is_none() && tag_matches(u.tag, tag, mask));
+            if let Some(i) = hit {
+                if self.unexpected[i].complete {
+                    if let Some(u) = self.unexpected.remove(i) {
+                        self.unexpected_bytes -= u.data.len();
+                        self.deliver(&u, at);
+                    }
+                } else {
+                    self.unexpected[i].bound = Some(at);
+                }
+                return;
+            }
+        }
+        // Capacity equals the slot count; only grouped receives (which allocate anyway)
+        // can make it grow.
+        self.recv.push_back(Posted { at, tag, mask });
+    }
+
+    /// Hands a queued unexpected message to the receive `at`.
+    fn deliver(&mut self, u: &Unexpected, at: RecvRef) {
+        let Some(buf) = self.recv_buf(at) else { return };
+        if u.data.len() > buf.len() {
+            self.complete_recv(at, Status::MessageTooLong, u.len, u.tag, u.imm);
+            return;
+        }
+        let status = match buf.copy_from(&u.data) {
+            Ok(()) => Status::Success,
+            Err(_) => Status::ProtocolError,
+        };
+        self.complete_recv(at, status, u.len, u.tag, u.imm);
+    }
+
+    /// The oldest posted receive (part) that a message tagged `tag` matches, taken off
+    /// the receive queue; `None` when none matches (the message is unexpected).
+    pub fn match_message(&mut self, tag: u64) -> Option<RecvRef> {
+        let i = self
+            .recv
+            .iter()
+            .position(|p| tag_matches(tag, p.tag, p.mask))?;
+        self.recv.remove(i).map(|p| p.at)
+    }
+
+    /// Whether any receive is posted and waiting for a message.
+    pub fn has_posted_recv(&self) -> bool {
+        !self.recv.is_empty()
+    }
+
+    /// The buffer of the live receive (part) `at`.
+    pub fn recv_buf(&self, at: RecvRef) -> Option<&Buf> {
+        let p = self.get(at.token)?;
+        if at.part == 0 {
+            return Some(&p.buf);
+        }
+        p.parts
+            .get(at.part as usize)
+            .filter(|s| !s.done)
+            .and_then(|s| s.buf.as_ref())
+    }
+
+    /// Finishes the receive (part) `at` with a message of `len` bytes tagged `tag` (and
+    /// the immediate of a write-imm notification). A grouped receive completes when its
+    /// last part does. Returns `false` for a receive that is not live.
+    pub fn complete_recv(
+        &mut self,
+        at: RecvRef,
+        status: Status,
+        len: usize,
+        tag: u64,
+        imm: Option<u32>,
+    ) -> bool {
+        let Some(p) = self.get_mut(at.token) else {
+            return false;
+        };
+        if p.parts.is_empty() {
+            if at.part != 0 {
+                return false;
+            }
+            p.tag = tag;
+            p.imm = imm;
+            return self.complete(at.token, status, len, 0);
+        }
+        let Some(s) = p.parts.get_mut(at.part as usize) else {
+            return false;
+        };
+        if s.done {
+            return false;
+        }
+        s.done = true;
+        s.len = len;
+        s.tag = tag;
+        s.imm = imm;
+        s.status = status;
+        p.parts_left -= 1;
+        if p.parts_left > 0 {
+            return true;
+        }
+        let st = p
+            .parts
+            .iter()
+            .map(|s| s.status)
+            .find(|s| *s != Status::Success)
+            .unwrap_or(Status::Success);
+        let total = p.parts.iter().map(|s| s.len).sum();
+        self.complete(at.token, st, total, 0)
+    }
+
+    /// Whether the unexpected queue has room for one more message of `bytes` payload
+    /// bytes.
+    pub fn can_stash(&self, bytes: usize) -> bool {
+        self.unexpected.len() < self.caps.unexpected_messages
+            && bytes
+                <= self
+                    .caps
+                    .unexpected_bytes
+                    .saturating_sub(self.unexpected_bytes)
+            && !matches!(self.unexpected.back(), Some(u) if !u.complete)
+    }
+
+    /// Queues an unexpected message (tag, immediate, the length its receive will report,
+    /// `bytes` payload bytes to come) and returns where its payload goes: `bytes`
+    /// writable bytes, valid until [`stash_end`](Self::stash_end) (the queue never drops
+    /// an entry being filled). `None` when the queue is full ([`can_stash`](Self::can_stash)
+    /// is false): leave the message on the wire.
+    pub fn stash_begin(
+        &mut self,
+        tag: u64,
+        imm: Option<u32>,
+        len: usize,
+        bytes: usize,
+    ) -> Option<*mut u8> {
+        if !self.can_stash(bytes) {
+            return None;
+        }
+        self.unexpected_bytes += bytes;
+        self.unexpected.push_back(Unexpected {
+            tag,
+            imm,
+            len,
+            data: vec![0u8; bytes],
+            complete: false,
+            bound: None,
+        });
+        self.unexpected.back_mut().map(|u| u.data.as_mut_ptr())
+    }
+
+    /// The message begun by [`stash_begin`](Self::stash_begin) arrived in full: it
+    /// completes the receive that matched it meanwhile, or waits for one.
+    pub fn stash_end(&mut self) {
+        let Some(u) = self.unexpected.back_mut() else {
+            return;
+        };
+        if u.complete {
+            return;
+        }
+        u.complete = true;
+        if let Some(at) = u.bound {
+            if let Some(u) = self.unexpected.pop_back() {
+                self.unexpected_bytes -= u.data.len();
+                self.deliver(&u, at);
+            }
+        }
+    }
+
+    /// Where the payload of the unexpected message begun by
+    /// [`stash_begin`](Self::stash_begin) goes (as it returned), while it is being filled.
+    pub fn stash_tail(&mut self) -> Option<*mut u8> {
+        self.unexpected
+            .back_mut()
+            .filter(|u| !u.complete)
+            .map(|u| u.data.as_mut_ptr())
+    }
+
+    /// Copies `src` into the payload of the unexpected message being filled, at `at`
+    /// (the safe form of writing through [`stash_tail`](Self::stash_tail)). Returns
+    /// `false` when no message is being filled or the range passes its end.
+    pub fn stash_fill(&mut self, at: usize, src: &[u8]) -> bool {
+        let Some(u) = self.unexpected.back_mut().filter(|u| !u.complete) else {
+            return false;
+        };
+        match at
+            .checked_add(src.len())
+            .and_then(|end| u.data.get_mut(at..end))
+        {
+            Some(d) => {
+                d.copy_from_slice(src);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Messages in the unexpected queue.
+    pub fn unexpected_len(&self) -> usize {
+        self.unexpected.len()
+    }
+
+    /// Payload bytes in the unexpected queue.
+    pub fn unexpected_bytes(&self) -> usize {
+        self.unexpected_bytes
+    }
+
+    fn common(&self, buf: &Buf) -> Result<(), Error> {
         if let Some((_, why)) = &self.failed {
             return Err(Error::Disconnected(why.clone()));
         }
-        let r = &buf.region().inner;
-        if r.owner != self.owner {
+        if buf.region().inner.owner != self.owner {
             return Err(Error::Foreign("buffer registered in another domain"));
         }
+        Ok(())
+    }
+
+    fn validate(&self, desc: &OpDesc, buf: &Buf) -> Result<(), Error> {
+        self.common(buf)?;
         let max = self.caps.max_message;
         let remote = |key: &RemoteKey, off: u64, len: usize, need: Access, what| {
             if !self.caps.one_sided {
@@ -263,13 +757,14 @@ impl Tracker {
     pub fn submit_pop(&mut self) -> Option<Token> {
         self.submit.pop_front()
     }
-    /// The oldest posted receive not yet matched.
+    /// The oldest posted receive not yet matched (backends without tags: every receive
+    /// is a plain one).
     pub fn recv_front(&self) -> Option<Token> {
-        self.recv.front().copied()
+        self.recv.front().map(|p| p.at.token)
     }
     /// Removes the front receive (the backend matched it to a message).
     pub fn recv_pop(&mut self) -> Option<Token> {
-        self.recv.pop_front()
+        self.recv.pop_front().map(|p| p.at.token)
     }
     /// Whether sends / one-sided ops wait for the backend.
     pub fn has_submissions(&self) -> bool {
@@ -360,13 +855,36 @@ impl Tracker {
             slot.gen = slot.gen.wrapping_add(1);
             self.free.push(t.idx() as u32);
             self.live -= 1;
+            let (buf, parts) = if p.parts.is_empty() {
+                (Some(p.buf), Vec::new())
+            } else {
+                let mut first = Some(p.buf);
+                let group = p.status;
+                let parts = p
+                    .parts
+                    .into_iter()
+                    .filter_map(|s| {
+                        Some(RecvPart {
+                            buf: s.buf.or_else(|| first.take())?,
+                            len: s.len,
+                            tag: s.tag,
+                            imm: s.imm,
+                            status: if s.done { s.status } else { group },
+                        })
+                    })
+                    .collect();
+                (None, parts)
+            };
             out[n] = Completion {
                 wr_id: p.wr_id,
-                op: p.desc.kind(),
+                op: p.kind,
                 status: p.status,
                 len: p.len,
                 value: p.value,
-                buf: Some(p.buf),
+                buf,
+                tag: p.tag,
+                imm: p.imm,
+                parts,
             };
             n += 1;
         }
@@ -395,7 +913,10 @@ impl Tracker {
             self.failed = Some((status, why.into()));
         }
         let mut order: Vec<Token> = self.submit.drain(..).collect();
-        order.extend(self.recv.drain(..));
+        order.extend(self.recv.drain(..).map(|p| p.at.token));
+        for u in &mut self.unexpected {
+            u.bound = None;
+        }
         for t in order {
             self.complete(t, status, 0, 0);
         }
@@ -460,7 +981,204 @@ mod tests {
             max_in_flight: n,
             inline_size: 0,
             memory_kinds: MemoryKinds::HOST,
+            tagged: true,
+            max_group: 4,
+            write_imm: true,
+            unexpected_messages: 2,
+            unexpected_bytes: 64,
+            too_long_kills_connection: false,
+            remote_error_kills_connection: false,
         }
+    }
+
+    fn drain(t: &mut Tracker) -> Vec<Completion> {
+        let mut out: Vec<Completion> = (0..16).map(|_| Completion::default()).collect();
+        let n = t.take(&mut out);
+        out.truncate(n);
+        out
+    }
+
+    /// A message of `data` tagged `tag` arrives: into the receive it matches, else into
+    /// the unexpected queue when receives are posted; `false` = it waits on the wire.
+    fn arrive(t: &mut Tracker, tag: u64, data: &[u8]) -> bool {
+        if let Some(at) = t.match_message(tag) {
+            let buf = t.recv_buf(at).unwrap();
+            if data.len() > buf.len() {
+                t.complete_recv(at, Status::MessageTooLong, data.len(), tag, None);
+            } else {
+                buf.copy_from(data).unwrap();
+                t.complete_recv(at, Status::Success, data.len(), tag, None);
+            }
+            return true;
+        }
+        if !t.has_posted_recv() {
+            return false;
+        }
+        if t.stash_begin(tag, None, data.len(), data.len()).is_none() {
+            return false;
+        }
+        assert!(t.stash_fill(0, data));
+        t.stash_end();
+        true
+    }
+
+    #[test]
+    fn tags_match_with_masks_in_post_order() {
+        let mut t = Tracker::new(1, TransportKind::Tcp, caps(8));
+        let r = region(&mut t, 256, Access::empty());
+        // Receive A: exactly tag 0x12; receive B: any tag whose low byte is 0x34.
+        t.post_recv_tagged(r.slice(0, 16).unwrap(), 0x12, !0, 1)
+            .unwrap();
+        t.post_recv_tagged(r.slice(16, 16).unwrap(), 0x34, 0xff, 2)
+            .unwrap();
+        assert!(arrive(&mut t, 0x5534, b"bee"));
+        assert!(arrive(&mut t, 0x12, b"ay"));
+        let c = drain(&mut t);
+        assert_eq!(c.len(), 2);
+        assert_eq!((c[0].wr_id, c[0].tag, c[0].len), (2, 0x5534, 3));
+        assert_eq!((c[1].wr_id, c[1].tag, c[1].len), (1, 0x12, 2));
+        assert_eq!(c[0].buf.as_ref().unwrap().to_vec()[..3], *b"bee");
+        // Two receives that both match: the older takes the message.
+        t.post_recv_tagged(r.slice(0, 16).unwrap(), 0, 0, 3)
+            .unwrap();
+        t.post_recv_tagged(r.slice(16, 16).unwrap(), 0, 0, 4)
+            .unwrap();
+        assert!(arrive(&mut t, 9, b"x"));
+        assert_eq!(drain(&mut t)[0].wr_id, 3);
+    }
+
+    #[test]
+    fn unexpected_messages_are_queued_bounded_and_taken_in_arrival_order() {
+        let mut t = Tracker::new(1, TransportKind::Tcp, caps(8));
+        let r = region(&mut t, 256, Access::empty());
+        // Nothing posted: the message waits on the wire.
+        assert!(!arrive(&mut t, 1, b"one"));
+        // A receive for tag 3 is posted: tags 1 and 2 are queued so 3 can pass them.
+        t.post_recv_tagged(r.slice(0, 16).unwrap(), 3, !0, 30)
+            .unwrap();
+        assert!(arrive(&mut t, 1, b"one"));
+        assert!(arrive(&mut t, 1, b"uno"));
+        assert_eq!(t.unexpected_len(), 2);
+        // The queue holds 2 messages: a third waits on the wire.
+        assert!(!arrive(&mut t, 2, b"two"));
+        assert!(!t.can_stash(0));
+        // Taking one frees room; the oldest of equal tags goes first.
+        t.post_recv_tagged(r.slice(16, 16).unwrap(), 1, !0, 10)
+            .unwrap();
+        let c = drain(&mut t);
+        assert_eq!((c[0].wr_id, c[0].len), (10, 3));
+        assert_eq!(c[0].buf.as_ref().unwrap().to_vec()[..3], *b"one");
+        assert!(arrive(&mut t, 2, b"two"));
+        assert!(arrive(&mut t, 3, b"three"));
+        assert_eq!(drain(&mut t)[0].wr_id, 30);
+        // The byte bound: 64 bytes in all.
+        assert!(!t.can_stash(64 - t.unexpected_bytes() + 1));
+        // A receive too small for a queued message fails alone.
+        t.post_recv_tagged(r.slice(32, 2).unwrap(), 2, !0, 20)
+            .unwrap();
+        let c = drain(&mut t);
+        assert_eq!(
+            (c[0].wr_id, c[0].status, c[0].len),
+            (20, Status::MessageTooLong, 3)
+        );
+        assert_eq!(t.unexpected_len(), 1);
+    }
+
+    #[test]
+    fn a_receive_posted_while_its_message_is_filling_waits_for_the_last_byte() {
+        let mut t = Tracker::new(1, TransportKind::Tcp, caps(8));
+        let r = region(&mut t, 256, Access::empty());
+        t.post_recv_tagged(r.slice(0, 8).unwrap(), 9, !0, 1)
+            .unwrap();
+        t.stash_begin(5, None, 4, 4).unwrap();
+        assert!(t.stash_fill(0, b"ab"));
+        assert!(!t.stash_fill(3, b"ab"), "past the end");
+        t.post_recv_tagged(r.slice(8, 8).unwrap(), 5, !0, 2)
+            .unwrap();
+        assert!(drain(&mut t).is_empty(), "completed before its bytes");
+        assert!(t.stash_tail().is_some());
+        assert!(t.stash_fill(2, b"cd"));
+        t.stash_end();
+        assert!(t.stash_tail().is_none());
+        let c = drain(&mut t);
+        assert_eq!((c[0].wr_id, c[0].tag, c[0].len), (2, 5, 4));
+        assert_eq!(c[0].buf.as_ref().unwrap().to_vec()[..4], *b"abcd");
+    }
+
+    #[test]
+    fn grouped_receive_completes_once_with_every_part() {
+        let mut t = Tracker::new(1, TransportKind::Tcp, caps(8));
+        let r = region(&mut t, 256, Access::empty());
+        let parts = vec![
+            (r.slice(0, 8).unwrap(), 1, !0),
+            (r.slice(8, 8).unwrap(), 2, !0),
+            (r.slice(16, 8).unwrap(), 3, !0),
+        ];
+        t.post_recv_group(parts, 77).unwrap();
+        assert_eq!(t.in_flight(), 1, "one slot for the group");
+        assert!(arrive(&mut t, 3, b"ccc"));
+        assert!(arrive(&mut t, 1, b"a"));
+        assert!(drain(&mut t).is_empty(), "completed with a part missing");
+        assert!(arrive(&mut t, 2, b"bb"));
+        let c = drain(&mut t);
+        assert_eq!(c.len(), 1);
+        assert_eq!((c[0].op, c[0].wr_id, c[0].len), (OpKind::RecvGroup, 77, 6));
+        assert!(c[0].buf.is_none());
+        let lens: Vec<_> = c[0].parts.iter().map(|p| (p.tag, p.len)).collect();
+        assert_eq!(lens, [(1, 1), (2, 2), (3, 3)]);
+        assert_eq!(c[0].parts[2].buf.to_vec()[..3], *b"ccc");
+        // Refusals hand every buffer back.
+        let e = t.post_recv_group(Vec::new(), 1).unwrap_err();
+        assert!(matches!(e.error, Error::InvalidArgument(_)));
+        let five = (0..5).map(|i| (r.slice(i * 8, 8).unwrap(), 0, 0)).collect();
+        let e = t.post_recv_group(five, 1).unwrap_err();
+        assert_eq!(e.bufs.len(), 5);
+        // A failure completes the group with its parts' buffers.
+        let parts = vec![
+            (r.slice(0, 8).unwrap(), 1, !0),
+            (r.slice(8, 8).unwrap(), 2, !0),
+        ];
+        t.post_recv_group(parts, 78).unwrap();
+        assert!(arrive(&mut t, 1, b"a"));
+        t.fail_all(Status::PeerGone, "test");
+        let c = drain(&mut t);
+        assert_eq!(c[0].status, Status::PeerGone);
+        assert_eq!(c[0].parts.len(), 2);
+        assert_eq!(c[0].parts[0].status, Status::Success);
+        assert_eq!(c[0].parts[1].status, Status::PeerGone);
+    }
+
+    #[test]
+    fn untagged_capabilities_refuse_tags_groups_and_write_imm() {
+        let mut c = caps(4);
+        c.tagged = false;
+        c.max_group = 0;
+        c.write_imm = false;
+        let mut t = Tracker::new(1, TransportKind::Tcp, c);
+        let r = region(&mut t, 64, Access::REMOTE_WRITE);
+        let key = r.remote_key().unwrap();
+        let un = |e: &Error| matches!(e, Error::Unsupported { .. });
+        assert!(un(&t
+            .post_send_tagged(r.slice(0, 8).unwrap(), 1, 1)
+            .unwrap_err()
+            .error));
+        assert!(un(&t
+            .post_recv_tagged(r.slice(0, 8).unwrap(), 1, 1, 1)
+            .unwrap_err()
+            .error));
+        assert!(un(&t
+            .post_recv_group(vec![(r.slice(0, 8).unwrap(), 0, 0)], 1)
+            .unwrap_err()
+            .error));
+        assert!(un(&t
+            .post_write_imm(r.slice(0, 8).unwrap(), key, 0, 5, 1)
+            .unwrap_err()
+            .error));
+        // Flush of host memory completes at once.
+        t.post_flush_done(r.slice(0, 8).unwrap(), 9).unwrap();
+        let c = drain(&mut t);
+        assert_eq!((c[0].op, c[0].wr_id, c[0].len), (OpKind::Flush, 9, 8));
+        assert_eq!(t.in_flight(), 0);
     }
 
     fn region(t: &mut Tracker, len: usize, access: Access) -> Region {

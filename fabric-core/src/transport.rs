@@ -104,6 +104,47 @@ bitflags::bitflags! {
 }
 
 /// What a connection can do. Callers ask; backends never fake a missing feature.
+///
+/// # Messaging semantics
+///
+/// * **Tags** (`tagged`): a message sent with tag `T`
+///   ([`post_send_tagged`](Transport::post_send_tagged)) matches a receive `(tag, mask)`
+///   iff `T & mask == tag & mask`. Receives are matched in post order, messages in arrival
+///   order. A plain `post_send` sends tag 0; a plain `post_recv` has mask 0 (takes any
+///   message). A receive's [`Completion::tag`] is the tag the message carried.
+/// * **Unexpected messages**: a message that arrives while receives are posted but none
+///   matches it is copied into the connection's unexpected queue (at most
+///   `unexpected_messages` messages and `unexpected_bytes` bytes) and consumed from the
+///   wire, so it blocks no other tag; a later receive that matches takes it from there (the
+///   oldest first). While no receive at all is posted a message waits on the wire (the
+///   bounded ring / socket buffer), as untagged traffic always did. Beyond the queue's
+///   bounds the connection stops reading from the peer until a receive takes a queued
+///   message: the peer's sends stay in flight, and its posts get
+///   [`Error::WouldBlock`] once its in-flight table is full (backpressure, never loss). A
+///   receiver that posts tags in any order is deadlock-free as long as the messages
+///   that overtake the one it waits for fit in the queue.
+/// * **Grouped receive** (`max_group` parts; [`post_recv_group`](Transport::post_recv_group)):
+///   each part is matched as its own tagged receive; one completion (op
+///   [`OpKind::RecvGroup`]) comes when every part is filled, with each part's buffer,
+///   length, tag and status in [`Completion::parts`].
+/// * **Write with immediate** (`write_imm`): the bytes land in the target region, then the
+///   target gets a notification carrying the immediate and the length. The notification
+///   consumes one posted receive that matches tag 0 (a plain receive, or a tagged
+///   receive whose `tag & mask == 0`), exactly as a zero-byte message with tag 0 would
+///   (verbs: `IBV_WR_RDMA_WRITE_WITH_IMM` consumes the next receive). The receive's buffer
+///   is not written; its completion is an [`OpKind::Recv`] with [`Completion::imm`] set and
+///   `len` = bytes written. On shm and tcp a notification with no receive posted waits in
+///   the unexpected queue as a message does; on verbs RC it makes the target's NIC retry
+///   and then fail the connection (receiver not ready).
+/// * **Flush** ([`post_flush`](Transport::post_flush)): after it completes, bytes the NIC
+///   wrote into the buffer's (GPU) memory are visible to the GPU. Host memory: it
+///   completes at once.
+/// * **Fatal errors** (`too_long_kills_connection`, `remote_error_kills_connection`): on
+///   shm and tcp a message longer than the matched receive fails only that receive
+///   ([`Status::MessageTooLong`], the message is dropped) and a refused remote access
+///   fails only that operation ([`Status::RemoteAccess`]). On verbs RC both move the queue
+///   pair to the error state: the operation fails and every later operation of the
+///   connection completes with an error (reconnect to go on).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Capabilities {
     /// Ordering guarantee.
@@ -121,6 +162,46 @@ pub struct Capabilities {
     pub inline_size: usize,
     /// Memory kinds `register` accepts.
     pub memory_kinds: MemoryKinds,
+    /// Tagged sends and receives with a mask (see the type's docs).
+    pub tagged: bool,
+    /// Most parts one grouped receive may have; 0 = no grouped receive.
+    pub max_group: usize,
+    /// Write with immediate data.
+    pub write_imm: bool,
+    /// Most messages the unexpected queue holds (0 = none: an unmatched message waits on
+    /// the wire).
+    pub unexpected_messages: usize,
+    /// Most payload bytes the unexpected queue holds.
+    pub unexpected_bytes: usize,
+    /// A message longer than its receive kills the connection (verbs RC) instead of
+    /// failing only that receive (shm, tcp).
+    pub too_long_kills_connection: bool,
+    /// A peer's refused remote access (revoked or invalid key, out of bounds, no
+    /// permission) kills the connection (verbs RC) instead of failing only that
+    /// operation (shm, tcp).
+    pub remote_error_kills_connection: bool,
+}
+
+impl Default for Capabilities {
+    /// Nothing: in order, no one-sided operations, no messages, no tags.
+    fn default() -> Self {
+        Capabilities {
+            ordering: MessageOrdering::InOrder,
+            one_sided: false,
+            atomics: false,
+            max_message: 0,
+            max_in_flight: 0,
+            inline_size: 0,
+            memory_kinds: MemoryKinds::empty(),
+            tagged: false,
+            max_group: 0,
+            write_imm: false,
+            unexpected_messages: 0,
+            unexpected_bytes: 0,
+            too_long_kills_connection: false,
+            remote_error_kills_connection: false,
+        }
+    }
 }
 
 /// The operation a completion reports.
@@ -139,6 +220,13 @@ pub enum OpKind {
     CompareSwap,
     /// Remote fetch-and-add.
     FetchAdd,
+    /// A grouped receive (every part filled; see [`Completion::parts`]).
+    RecvGroup,
+    /// One-sided write with immediate data (the initiator's completion; the target's is
+    /// an [`OpKind::Recv`] with [`Completion::imm`]).
+    WriteImm,
+    /// A flush (see [`Transport::post_flush`]).
+    Flush,
 }
 
 /// A remote atomic operation on an 8-byte aligned word.
@@ -208,8 +296,32 @@ pub struct Completion {
     pub len: usize,
     /// The old value of the word (atomics); 0 otherwise.
     pub value: u64,
-    /// The buffer the post took (`None` only in a default-constructed slot).
+    /// The buffer the post took (`None` in a default-constructed slot, and for a grouped
+    /// receive, whose buffers are in [`parts`](Self::parts)).
     pub buf: Option<Buf>,
+    /// The message's tag (receives; 0 for an untagged message or a write-imm
+    /// notification); the tag sent (tagged sends); 0 otherwise.
+    pub tag: u64,
+    /// The immediate of a write-with-immediate (the target's receive completion and the
+    /// initiator's [`OpKind::WriteImm`] completion); `None` otherwise.
+    pub imm: Option<u32>,
+    /// The parts of a grouped receive, in post order; empty otherwise (no allocation).
+    pub parts: Vec<RecvPart>,
+}
+
+/// One part of a finished grouped receive.
+#[derive(Debug)]
+pub struct RecvPart {
+    /// The part's buffer, handed back.
+    pub buf: Buf,
+    /// Bytes received (the message's length when it was too long).
+    pub len: usize,
+    /// The tag the matched message carried.
+    pub tag: u64,
+    /// The immediate, when a write-imm notification filled this part.
+    pub imm: Option<u32>,
+    /// How the part ended (the group's status is the first part's that is not success).
+    pub status: Status,
 }
 
 impl Default for Completion {
@@ -221,6 +333,9 @@ impl Default for Completion {
             len: 0,
             value: 0,
             buf: None,
+            tag: 0,
+            imm: None,
+            parts: Vec::new(),
         }
     }
 }
@@ -245,6 +360,24 @@ impl PostError {
 
 /// Result of a post.
 pub type PostResult = std::result::Result<(), PostError>;
+
+/// A refused grouped receive: why, and every part's buffer back (nothing was queued).
+#[derive(Debug, thiserror::Error)]
+#[error("{error}")]
+pub struct GroupPostError {
+    /// Why.
+    #[source]
+    pub error: Error,
+    /// The parts' buffers, in the order given.
+    pub bufs: Vec<Buf>,
+}
+
+impl GroupPostError {
+    /// Whether it is backpressure ([`Error::WouldBlock`]): poll and post again.
+    pub fn is_would_block(&self) -> bool {
+        matches!(self.error, Error::WouldBlock(_))
+    }
+}
 
 /// What a peer needs to address a registered region: packable to [`RemoteKey::PACKED_LEN`]
 /// bytes and decoded with typed errors.
@@ -457,6 +590,107 @@ pub trait Transport: Send + fmt::Debug {
         op: AtomicOp,
         wr_id: u64,
     ) -> PostResult;
+
+    /// Posts a send of `buf`'s bytes carrying `tag` (see [`Capabilities`] for matching).
+    ///
+    /// # Errors
+    /// As [`post_send`](Transport::post_send); [`Error::Unsupported`] without
+    /// [`Capabilities::tagged`] (the default).
+    fn post_send_tagged(&mut self, buf: Buf, tag: u64, wr_id: u64) -> PostResult {
+        let _ = (tag, wr_id);
+        Err(PostError {
+            error: Error::Unsupported {
+                transport: self.kind(),
+                what: "tagged messages",
+            },
+            buf,
+        })
+    }
+
+    /// Posts a receive that takes the oldest message whose tag `T` has
+    /// `T & mask == tag & mask` (an unexpected one first, if one waits).
+    ///
+    /// # Errors
+    /// As [`post_recv`](Transport::post_recv); [`Error::Unsupported`] without
+    /// [`Capabilities::tagged`] (the default).
+    fn post_recv_tagged(&mut self, buf: Buf, tag: u64, mask: u64, wr_id: u64) -> PostResult {
+        let _ = (tag, mask, wr_id);
+        Err(PostError {
+            error: Error::Unsupported {
+                transport: self.kind(),
+                what: "tagged messages",
+            },
+            buf,
+        })
+    }
+
+    /// Posts several receives `(buf, tag, mask)` as one: each part is matched as its own
+    /// tagged receive (in the order given), and one [`OpKind::RecvGroup`] completion
+    /// comes when every part is filled, with the parts in [`Completion::parts`].
+    ///
+    /// # Errors
+    /// [`GroupPostError`] with every buffer back: [`Error::InvalidArgument`] for no parts
+    /// or more than [`Capabilities::max_group`]; a part's own error as in
+    /// [`post_recv_tagged`](Transport::post_recv_tagged); [`Error::Unsupported`] without
+    /// grouped receives (the default).
+    fn post_recv_group(
+        &mut self,
+        parts: Vec<(Buf, u64, u64)>,
+        wr_id: u64,
+    ) -> std::result::Result<(), GroupPostError> {
+        let _ = wr_id;
+        Err(GroupPostError {
+            error: Error::Unsupported {
+                transport: self.kind(),
+                what: "grouped receives",
+            },
+            bufs: parts.into_iter().map(|(b, _, _)| b).collect(),
+        })
+    }
+
+    /// Writes `buf`'s bytes into the peer's region at `remote_offset`, then notifies the
+    /// peer with `imm` and the length (see [`Capabilities`]). The initiator's completion is
+    /// an [`OpKind::WriteImm`].
+    ///
+    /// # Errors
+    /// As [`post_write`](Transport::post_write); [`Error::Unsupported`] without
+    /// [`Capabilities::write_imm`] (the default).
+    fn post_write_imm(
+        &mut self,
+        buf: Buf,
+        remote: &RemoteKey,
+        remote_offset: u64,
+        imm: u32,
+        wr_id: u64,
+    ) -> PostResult {
+        let _ = (remote, remote_offset, imm, wr_id);
+        Err(PostError {
+            error: Error::Unsupported {
+                transport: self.kind(),
+                what: "write with immediate",
+            },
+            buf,
+        })
+    }
+
+    /// Makes bytes that the NIC wrote into `buf`'s memory visible to the GPU once the
+    /// [`OpKind::Flush`] completion comes (the buffer is handed back in it). Host
+    /// memory, and transports where the CPU moves the bytes (shm, tcp): it completes at
+    /// once.
+    ///
+    /// # Errors
+    /// [`Error::Foreign`] for a buffer of another domain; [`Error::Unsupported`] where the
+    /// transport cannot flush that memory (the default).
+    fn post_flush(&mut self, buf: Buf, wr_id: u64) -> PostResult {
+        let _ = wr_id;
+        Err(PostError {
+            error: Error::Unsupported {
+                transport: self.kind(),
+                what: "flush",
+            },
+            buf,
+        })
+    }
 
     /// Makes progress and moves finished operations into `out`; returns how many.
     ///

@@ -772,6 +772,7 @@ fn finish(sock: UnixStream, domain: &Domain) -> Result<Box<dyn Transport>> {
         max_in_flight: opts.max_in_flight,
         inline_size: 0,
         memory_kinds: MemoryKinds::CUDA_DEVICE,
+        ..Capabilities::default()
     };
     let shared = Arc::new(ConnShared {
         sock,

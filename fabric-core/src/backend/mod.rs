@@ -15,7 +15,8 @@ use crate::error::{Error, Result};
 use crate::region::{Access, Buf, Region};
 use crate::tracker::{OpDesc, Tracker};
 use crate::transport::{
-    AtomicOp, Capabilities, Completion, PostResult, RemoteKey, Transport, TransportKind,
+    AtomicOp, Capabilities, Completion, GroupPostError, PostError, PostResult, RemoteKey,
+    Transport, TransportKind,
 };
 
 #[cfg(feature = "cuda-ipc")]
@@ -109,7 +110,16 @@ pub struct Options {
     pub verbs_port: Option<u8>,
     /// The GID index (RoCE; else the first RoCE v2 IPv4-mapped GID, or the first non-zero).
     pub verbs_gid_index: Option<u8>,
+    /// Most messages a connection's unexpected queue holds (messages that arrived while
+    /// receives were posted but none matched their tag; see
+    /// [`Capabilities`]). Default 1024.
+    pub unexpected_messages: usize,
+    /// Most payload bytes a connection's unexpected queue holds. Default 4 MiB.
+    pub unexpected_bytes: usize,
 }
+
+/// Most parts of one grouped receive (shm, tcp).
+pub const MAX_GROUP: usize = 64;
 
 impl Default for Options {
     fn default() -> Self {
@@ -125,6 +135,8 @@ impl Default for Options {
             verbs_device: std::env::var("FABRIC_VERBS_DEVICE").ok(),
             verbs_port: None,
             verbs_gid_index: None,
+            unexpected_messages: 1024,
+            unexpected_bytes: 4 << 20,
         }
     }
 }
@@ -233,6 +245,17 @@ pub(crate) fn next_conn_id() -> u64 {
 /// [`Tracker`].
 pub(crate) trait Hal: Send + fmt::Debug {
     fn kind(&self) -> TransportKind;
+    /// Flushes device memory that the NIC wrote (see [`Transport::post_flush`]); host
+    /// memory never gets here (it completes at once).
+    fn flush_device(&mut self, _t: &mut Tracker, buf: Buf, _wr_id: u64) -> PostResult {
+        Err(PostError {
+            error: Error::Unsupported {
+                transport: self.kind(),
+                what: "flush of device memory",
+            },
+            buf,
+        })
+    }
     /// Moves queued operations and incoming data; reports completions to `t`.
     fn progress(&mut self, t: &mut Tracker) -> Result<()>;
     fn wait_fd(&self) -> BorrowedFd<'_>;
@@ -257,11 +280,16 @@ impl<H: Hal> Endpoint<H> {
 
     fn post(&mut self, desc: OpDesc, buf: Buf, wr_id: u64) -> PostResult {
         self.t.post(desc, buf, wr_id)?;
-        // Start it now (latency); errors of the machinery become error completions.
+        self.kick();
+        Ok(())
+    }
+
+    /// Starts what was just posted (latency); errors of the machinery become error
+    /// completions.
+    fn kick(&mut self) {
         if let Err(e) = self.h.progress(&mut self.t) {
             self.t.fail_all(crate::Status::ProtocolError, e.to_string());
         }
-        Ok(())
     }
 }
 
@@ -308,6 +336,44 @@ impl<H: Hal> Transport for Endpoint<H> {
         wr_id: u64,
     ) -> PostResult {
         self.post(OpDesc::Atomic { key: *key, off, op }, buf, wr_id)
+    }
+    fn post_send_tagged(&mut self, buf: Buf, tag: u64, wr_id: u64) -> PostResult {
+        self.t.post_send_tagged(buf, tag, wr_id)?;
+        self.kick();
+        Ok(())
+    }
+    fn post_recv_tagged(&mut self, buf: Buf, tag: u64, mask: u64, wr_id: u64) -> PostResult {
+        self.t.post_recv_tagged(buf, tag, mask, wr_id)?;
+        self.kick();
+        Ok(())
+    }
+    fn post_recv_group(
+        &mut self,
+        parts: Vec<(Buf, u64, u64)>,
+        wr_id: u64,
+    ) -> std::result::Result<(), GroupPostError> {
+        self.t.post_recv_group(parts, wr_id)?;
+        self.kick();
+        Ok(())
+    }
+    fn post_write_imm(
+        &mut self,
+        buf: Buf,
+        key: &RemoteKey,
+        off: u64,
+        imm: u32,
+        wr_id: u64,
+    ) -> PostResult {
+        self.t.post_write_imm(buf, *key, off, imm, wr_id)?;
+        self.kick();
+        Ok(())
+    }
+    fn post_flush(&mut self, buf: Buf, wr_id: u64) -> PostResult {
+        if buf.region().device_backing().is_some() {
+            return self.h.flush_device(&mut self.t, buf, wr_id);
+        }
+        self.t.post_flush_done(buf, wr_id)?;
+        Ok(())
     }
     fn poll(&mut self, out: &mut [Completion]) -> Result<usize> {
         if self.t.failure().is_none() {

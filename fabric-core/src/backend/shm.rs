@@ -6,8 +6,14 @@
 //!   `eventfd` to wake it, over `SCM_RIGHTS`; the connector checks the seals and size,
 //!   maps it and answers with its own `eventfd`. Nothing is ever reachable by a path.
 //! * Two-sided: a message is copied into the outbound ring in records of at most
-//!   `chunk_bytes` (first record carries the total length) and copied out into the oldest
-//!   posted receive. No receive posted = the message waits in the ring (backpressure).
+//!   `chunk_bytes` (the first record carries the total length and, in its first 8 payload
+//!   bytes, the message's tag) and copied out into the oldest posted receive that matches
+//!   its tag (the tracker matches). No receive posted = the message waits in the ring
+//!   (backpressure); receives posted but none matching = the message is copied into the
+//!   tracker's bounded unexpected queue, or waits in the ring while that queue is full.
+//! * Write with immediate: the bytes are copied into the peer's mapping, then a
+//!   notification record (the immediate, the length) follows in the ring, so the peer sees
+//!   the bytes before the notification; it is matched as a zero-byte message with tag 0.
 //! * One-sided: regions are `memfd` shared mappings; registering one with remote access
 //!   passes its fd to the peer over the Unix socket — the control path, counted in the
 //!   channel header and taken by the peer on every poll independently of the message
@@ -39,7 +45,7 @@ use crate::error::{Error, Result};
 use crate::region::{check_range, Access, Memory, Region};
 use crate::ring::{self, Consumer, Producer, RingHeader};
 use crate::sys;
-use crate::tracker::{OpDesc, Token, Tracker};
+use crate::tracker::{OpDesc, RecvRef, Token, Tracker};
 use crate::transport::{
     AtomicOp, Capabilities, MemoryKinds, MessageOrdering, Status, Transport, TransportKind,
 };
@@ -268,7 +274,8 @@ fn revocation(id: u32, gen: u32) -> [u8; ANN_LEN] {
 pub const CHECK_EVERY: u32 = 1024;
 
 const MAGIC: u64 = 0x4642_5348_4d43_4831; // "FBSHMCH1"
-const VERSION: u32 = 1;
+/// Channel version: 2 added the tag to message records and the write-imm record.
+const VERSION: u32 = 2;
 const HELLO_LEN: usize = 24;
 const ANN_MAGIC: u32 = 0x4e4e_4146; // "FANN"
 const ANN_LEN: usize = 40;
@@ -287,9 +294,14 @@ const K_CONT: u8 = 2;
 // 3 was a region announcement carried in the ring; announcements now have their own
 // path (the Unix socket, counted in the channel header) and 3 is refused.
 /// A rendezvous message: payload = region id `u32`, offset `u64`, length `u64` in the
-/// sender's announced region; `aux` = total length.
+/// sender's announced region, tag `u64`; `aux` = total length.
 const K_RNDV: u8 = 4;
-const RNDV_LEN: usize = 20;
+const RNDV_LEN: usize = 28;
+/// A write-with-immediate notification: payload = the immediate `u32`; `aux` = bytes
+/// written (the bytes are in the target's mapping before this record is published).
+const K_IMM: u8 = 5;
+/// Bytes of the tag at the start of a [`K_FIRST`] record's payload.
+const TAG_LEN: usize = 8;
 /// Announcement flag: the region may be read by the peer for rendezvous sends.
 const ANN_RNDV: u32 = 1;
 /// Announcement flag: the region `(id, gen)` is gone (no descriptor, no other fields).
@@ -653,6 +665,13 @@ fn finish(
         max_in_flight: opts.max_in_flight,
         inline_size: chunk,
         memory_kinds: MemoryKinds::HOST,
+        tagged: true,
+        max_group: super::MAX_GROUP,
+        write_imm: true,
+        unexpected_messages: opts.unexpected_messages,
+        unexpected_bytes: opts.unexpected_bytes,
+        too_long_kills_connection: false,
+        remote_error_kills_connection: false,
     };
     let announcer = Arc::new(Announcer {
         queued: AtomicU64::new(0),
@@ -706,7 +725,14 @@ fn finish(
 enum RxState {
     Idle,
     Receiving {
-        token: Token,
+        at: RecvRef,
+        tag: u64,
+        total: usize,
+        got: usize,
+    },
+    /// Copying an unexpected message into the tracker's queue
+    /// ([`Tracker::stash_tail`]).
+    Stashing {
         total: usize,
         got: usize,
     },
@@ -795,6 +821,7 @@ impl ShmHal {
                 rec[0..4].copy_from_slice(&p.buf.region().id().to_le_bytes());
                 rec[4..12].copy_from_slice(&(p.buf.offset() as u64).to_le_bytes());
                 rec[12..20].copy_from_slice(&(p.buf.len() as u64).to_le_bytes());
+                rec[20..28].copy_from_slice(&p.tag.to_le_bytes());
                 if !self.tx.push(K_RNDV, p.buf.len() as u64, &rec) {
                     return Ok(Step::Blocked(false));
                 }
@@ -807,21 +834,32 @@ impl ShmHal {
                 let mut done = p.progress;
                 let started = done;
                 let src = p.buf.as_ptr();
+                let tag = p.tag;
+                // The first record starts with the tag (no record has been pushed while
+                // `progress` is 0: a message of 0 bytes still sends its first record).
+                let mut first = done == 0;
                 loop {
-                    let n = (total - done).min(self.chunk);
-                    let (kind, aux) = if done == 0 {
+                    let head = if first { TAG_LEN } else { 0 };
+                    let n = (total - done).min(self.chunk - head);
+                    let (kind, aux) = if first {
                         (K_FIRST, total as u64)
                     } else {
                         (K_CONT, 0)
                     };
-                    let Some(dst) = self.tx.reserve(kind, aux, n) else {
+                    let Some(dst) = self.tx.reserve(kind, aux, head + n) else {
                         t.live_mut(token, "shm send")?.progress = done;
                         return Ok(Step::Blocked(done > started));
                     };
-                    // SAFETY: `dst` has `n` writable bytes owned by us until commit; `src` is
-                    // the buffer's mapping (len `total`), done + n <= total.
-                    unsafe { std::ptr::copy_nonoverlapping(src.add(done), dst, n) };
+                    // SAFETY: `dst` has `head + n` writable bytes owned by us until commit;
+                    // `src` is the buffer's mapping (len `total`), done + n <= total.
+                    unsafe {
+                        if first {
+                            std::ptr::copy_nonoverlapping(tag.to_le_bytes().as_ptr(), dst, head);
+                        }
+                        std::ptr::copy_nonoverlapping(src.add(done), dst.add(head), n)
+                    };
                     self.tx.commit();
+                    first = false;
                     done += n;
                     if done == total {
                         t.submit_pop();
@@ -839,6 +877,11 @@ impl ShmHal {
                 };
                 let len = p.buf.len();
                 let local = p.buf.as_ptr();
+                let imm = if write { p.imm } else { None };
+                if imm.is_some() && !self.tx.has_room(4) {
+                    // The notification must follow the bytes: wait for room first.
+                    return Ok(Step::Blocked(false));
+                }
                 let status = match self.remote_ptr(&key, off, len as u64, need)? {
                     Some(rp) => {
                         // SAFETY: `rp` has `len` bytes inside the peer's mapping (checked
@@ -855,6 +898,12 @@ impl ShmHal {
                     }
                     None => Status::RemoteAccess,
                 };
+                if let (Some(imm), Status::Success) = (imm, status) {
+                    // Room was checked above and we are the ring's only producer.
+                    if !self.tx.push(K_IMM, len as u64, &imm.to_le_bytes()) {
+                        return Err(Error::Protocol("shm ring lost room it had".into()));
+                    }
+                }
                 t.submit_pop();
                 t.complete(token, status, len, 0);
                 Ok(Step::Done)
@@ -1012,50 +1061,105 @@ impl ShmHal {
             };
             match (rec.kind, &mut self.rx_state) {
                 (K_FIRST, RxState::Idle) => {
-                    let Some(token) = t.recv_front() else { break };
                     let total = rec.aux as usize;
-                    if rec.len > total {
+                    if rec.len < TAG_LEN || rec.len - TAG_LEN > total {
                         return Err(Error::Protocol(
-                            "first record longer than its message".into(),
+                            "first record shorter than its tag or longer than its message".into(),
                         ));
                     }
-                    let p = t.live(token, "shm receive")?;
-                    if total > p.buf.len() {
-                        t.recv_pop();
-                        t.complete(token, Status::MessageTooLong, total, 0);
-                        self.rx_state = RxState::Discarding {
-                            left: total - rec.len,
-                        };
-                    } else {
-                        self.rx.read_into_raw(&rec, p.buf.as_ptr());
-                        if rec.len == total {
-                            t.recv_pop();
-                            t.complete(token, Status::Success, total, 0);
-                        } else {
-                            self.rx_state = RxState::Receiving {
-                                token,
-                                total,
-                                got: rec.len,
+                    let n = rec.len - TAG_LEN;
+                    let mut tb = [0u8; TAG_LEN];
+                    // SAFETY: the payload has rec.len >= TAG_LEN bytes (validated by `peek`).
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            self.rx.payload_ptr(&rec),
+                            tb.as_mut_ptr(),
+                            TAG_LEN,
+                        )
+                    };
+                    let tag = u64::from_le_bytes(tb);
+                    // SAFETY: as above; the data follows the tag.
+                    let src = unsafe { self.rx.payload_ptr(&rec).add(TAG_LEN) };
+                    match t.match_message(tag) {
+                        Some(at) => {
+                            let Some(buf) = t.recv_buf(at) else {
+                                return Err(Error::Protocol("matched a finished receive".into()));
                             };
+                            if total > buf.len() {
+                                t.complete_recv(at, Status::MessageTooLong, total, tag, None);
+                                if total > n {
+                                    self.rx_state = RxState::Discarding { left: total - n };
+                                }
+                            } else {
+                                // SAFETY: n <= total <= buf.len(); `src` has n bytes.
+                                unsafe { std::ptr::copy_nonoverlapping(src, buf.as_ptr(), n) };
+                                if n == total {
+                                    t.complete_recv(at, Status::Success, total, tag, None);
+                                } else {
+                                    self.rx_state = RxState::Receiving {
+                                        at,
+                                        tag,
+                                        total,
+                                        got: n,
+                                    };
+                                }
+                            }
+                        }
+                        // No receive at all: leave it in the ring (backpressure).
+                        None if !t.has_posted_recv() => break,
+                        None => {
+                            // Receives wait for other tags: queue it so they can go on.
+                            let Some(dst) = t.stash_begin(tag, None, total, total) else {
+                                break; // the unexpected queue is full: wait in the ring
+                            };
+                            // SAFETY: `dst` has `total >= n` bytes; `src` has n bytes.
+                            unsafe { std::ptr::copy_nonoverlapping(src, dst, n) };
+                            if n == total {
+                                t.stash_end();
+                            } else {
+                                self.rx_state = RxState::Stashing { total, got: n };
+                            }
                         }
                     }
-                    if let RxState::Discarding { left: 0 } = self.rx_state {
-                        self.rx_state = RxState::Idle;
-                    }
                 }
-                (K_CONT, RxState::Receiving { token, total, got }) => {
+                (
+                    K_CONT,
+                    RxState::Receiving {
+                        at,
+                        tag,
+                        total,
+                        got,
+                    },
+                ) => {
                     if *got + rec.len > *total {
                         return Err(Error::Protocol("message longer than announced".into()));
                     }
-                    let p = t.live(*token, "shm receive")?;
+                    let Some(buf) = t.recv_buf(*at) else {
+                        return Err(Error::Protocol("receive finished while filling".into()));
+                    };
                     // SAFETY: got + len <= total <= buf.len().
                     self.rx
-                        .read_into_raw(&rec, unsafe { p.buf.as_ptr().add(*got) });
+                        .read_into_raw(&rec, unsafe { buf.as_ptr().add(*got) });
                     *got += rec.len;
                     if *got == *total {
-                        let (token, total) = (*token, *total);
-                        t.recv_pop();
-                        t.complete(token, Status::Success, total, 0);
+                        let (at, tag, total) = (*at, *tag, *total);
+                        t.complete_recv(at, Status::Success, total, tag, None);
+                        self.rx_state = RxState::Idle;
+                    }
+                }
+                (K_CONT, RxState::Stashing { total, got }) => {
+                    if *got + rec.len > *total {
+                        return Err(Error::Protocol("message longer than announced".into()));
+                    }
+                    let Some(dst) = t.stash_tail() else {
+                        return Err(Error::Protocol("no unexpected message being filled".into()));
+                    };
+                    // SAFETY: got + len <= total, and `dst` has `total` bytes until
+                    // `stash_end`.
+                    self.rx.read_into_raw(&rec, unsafe { dst.add(*got) });
+                    *got += rec.len;
+                    if *got == *total {
+                        t.stash_end();
                         self.rx_state = RxState::Idle;
                     }
                 }
@@ -1069,7 +1173,6 @@ impl ShmHal {
                     }
                 }
                 (K_RNDV, RxState::Idle) => {
-                    let Some(token) = t.recv_front() else { break };
                     if rec.len != RNDV_LEN {
                         return Err(Error::Protocol(
                             "rendezvous record of the wrong size".into(),
@@ -1087,6 +1190,7 @@ impl ShmHal {
                     let rid = u32::from_le_bytes(b[0..4].try_into().unwrap_or_default()) as usize;
                     let off = u64::from_le_bytes(b[4..12].try_into().unwrap_or_default());
                     let len = u64::from_le_bytes(b[12..20].try_into().unwrap_or_default());
+                    let tag = u64::from_le_bytes(b[20..28].try_into().unwrap_or_default());
                     if self.remote.get(rid).and_then(|r| r.as_ref()).is_none() {
                         // Announced before this record was pushed: on the socket by now.
                         self.take_announcements()?;
@@ -1107,21 +1211,58 @@ impl ShmHal {
                         }
                     };
                     let len = len as usize;
-                    t.recv_pop();
-                    let p = t.live(token, "shm receive")?;
-                    if len > p.buf.len() {
-                        t.complete(token, Status::MessageTooLong, len, 0);
-                    } else {
-                        // SAFETY: `src` has `len` bytes of the peer's region, which the peer
-                        // does not reuse until we count this message done; the receive
-                        // buffer has at least `len` bytes.
-                        unsafe { std::ptr::copy_nonoverlapping(src, p.buf.as_ptr(), len) };
-                        t.complete(token, Status::Success, len, 0);
+                    match t.match_message(tag) {
+                        Some(at) => {
+                            let Some(buf) = t.recv_buf(at) else {
+                                return Err(Error::Protocol("matched a finished receive".into()));
+                            };
+                            if len > buf.len() {
+                                t.complete_recv(at, Status::MessageTooLong, len, tag, None);
+                            } else {
+                                // SAFETY: `src` has `len` bytes of the peer's region, which
+                                // the peer does not reuse until we count this message done;
+                                // the receive buffer has at least `len` bytes.
+                                unsafe { std::ptr::copy_nonoverlapping(src, buf.as_ptr(), len) };
+                                t.complete_recv(at, Status::Success, len, tag, None);
+                            }
+                        }
+                        None if !t.has_posted_recv() => break,
+                        None => {
+                            // Copied out now: the peer's counter of finished rendezvous
+                            // messages moves in arrival order.
+                            let Some(dst) = t.stash_begin(tag, None, len, len) else {
+                                break;
+                            };
+                            // SAFETY: `dst` has `len` bytes; `src` as above.
+                            unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+                            t.stash_end();
+                        }
                     }
                     self.rndv_done += 1;
                     self.chan
                         .rndv_done(self.side)
                         .store(self.rndv_done, Ordering::Release);
+                }
+                (K_IMM, RxState::Idle) => {
+                    if rec.len != 4 {
+                        return Err(Error::Protocol("write-imm record of the wrong size".into()));
+                    }
+                    let mut b = [0u8; 4];
+                    self.rx.read(&rec, &mut b);
+                    let imm = u32::from_le_bytes(b);
+                    let len = rec.aux as usize;
+                    match t.match_message(0) {
+                        Some(at) => {
+                            t.complete_recv(at, Status::Success, len, 0, Some(imm));
+                        }
+                        None if !t.has_posted_recv() => break,
+                        None => {
+                            if t.stash_begin(0, Some(imm), len, 0).is_none() {
+                                break;
+                            }
+                            t.stash_end();
+                        }
+                    }
                 }
                 (kind, _) => {
                     return Err(Error::Protocol(format!(
@@ -1308,6 +1449,17 @@ mod tests {
         );
         assert!(decode_hello(&hello_bytes(1 << 40)).is_err(), "too large");
         assert!(decode_hello(&[0u8; HELLO_LEN]).is_err());
+        // A version 1 peer (no tags in its records) gets a typed version error.
+        let mut v1 = hello_bytes(1 << 20);
+        v1[8..12].copy_from_slice(&1u32.to_le_bytes());
+        assert_eq!(
+            decode_hello(&v1),
+            Err(crate::DecodeError::Version {
+                what: "shm hello",
+                found: 1,
+                expected: 2
+            })
+        );
         assert!(decode_hello(&[0u8; 3]).is_err());
 
         let mut a = [0u8; ANN_LEN];

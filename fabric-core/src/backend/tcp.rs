@@ -33,7 +33,7 @@ use crate::domain::{Domain, DomainBackend, MemorySupport};
 use crate::error::{DecodeError, Error, Result};
 use crate::region::{Access, Region};
 use crate::sys;
-use crate::tracker::{OpDesc, Token, Tracker};
+use crate::tracker::{OpDesc, RecvRef, Token, Tracker};
 use crate::transport::{
     AtomicOp, Capabilities, MemoryKinds, MessageOrdering, Status, Transport, TransportKind,
 };
@@ -75,7 +75,12 @@ impl DomainBackend for TcpDomain {
     }
 }
 
-const HELLO_MAGIC: u64 = 0x3150_4354_4246_4246; // "FBFBTCP1"
+/// The hello's magic: `"FBFBTCP"` and the wire version's digit. Version 2 carries a
+/// tag in [`FrameKind::Send`] frames (`aux0`) and adds [`FrameKind::WriteImm`].
+pub const HELLO_MAGIC: u64 = 0x3250_4354_4246_4246; // "FBFBTCP2"
+/// The magic of version 1 peers (no tags): refused with [`DecodeError::Version`].
+pub const HELLO_MAGIC_V1: u64 = 0x3150_4354_4246_4246; // "FBFBTCP1"
+const WIRE_VERSION: u32 = 2;
 /// Bytes of the hello each side sends first: magic `u64`, flags `u32` (bit 0: this side
 /// requires the shared secret), reserved `u32` (zero), a 16-byte random nonce.
 pub const HELLO_LEN: usize = 32;
@@ -108,6 +113,9 @@ pub enum FrameKind {
     ReadResp = 6,
     /// Atomic response (`aux0` = old value).
     AtomicResp = 7,
+    /// One-sided write with immediate (payload; `aux0` = the immediate), answered by
+    /// `WriteAck`; the target's notification is matched as a zero-byte message of tag 0.
+    WriteImm = 8,
 }
 
 /// A decoded frame header.
@@ -131,7 +139,7 @@ pub struct FrameHeader {
     pub region: u32,
     /// Target region id's generation.
     pub gen: u32,
-    /// Operand / result.
+    /// Operand / result; a `Send` frame's tag; a `WriteImm` frame's immediate.
     pub aux0: u64,
     /// Second operand.
     pub aux1: u64,
@@ -198,6 +206,7 @@ pub fn decode_header(b: &[u8]) -> std::result::Result<FrameHeader, DecodeError> 
         5 => FrameKind::WriteAck,
         6 => FrameKind::ReadResp,
         7 => FrameKind::AtomicResp,
+        8 => FrameKind::WriteImm,
         v => {
             return Err(DecodeError::Invalid {
                 what: "tcp frame type",
@@ -233,8 +242,20 @@ pub fn decode_header(b: &[u8]) -> std::result::Result<FrameHeader, DecodeError> 
     }
     let carries = matches!(
         kind,
-        FrameKind::Send | FrameKind::Write | FrameKind::ReadResp
+        FrameKind::Send | FrameKind::Write | FrameKind::WriteImm | FrameKind::ReadResp
     );
+    if kind == FrameKind::WriteImm && b[48..56] != [0u8; 8] {
+        return Err(DecodeError::Invalid {
+            what: "tcp write-imm frame: aux1 (must be zero)",
+            value: u64_at(48),
+        });
+    }
+    if kind == FrameKind::WriteImm && u64_at(40) > u32::MAX as u64 {
+        return Err(DecodeError::Invalid {
+            what: "tcp write-imm immediate (32 bits)",
+            value: u64_at(40),
+        });
+    }
     if !carries && kind != FrameKind::ReadReq && len != 0 {
         return Err(DecodeError::Invalid {
             what: "tcp frame length for a frame without payload",
@@ -272,6 +293,13 @@ pub fn decode_hello(b: &[u8]) -> std::result::Result<(u32, [u8; NONCE_LEN]), Dec
     let mut m = [0u8; 8];
     m.copy_from_slice(&b[..8]);
     let magic = u64::from_le_bytes(m);
+    if magic == HELLO_MAGIC_V1 {
+        return Err(DecodeError::Version {
+            what: "tcp hello",
+            found: 1,
+            expected: WIRE_VERSION,
+        });
+    }
     if magic != HELLO_MAGIC {
         return Err(DecodeError::BadMagic {
             what: "tcp hello",
@@ -367,8 +395,16 @@ impl Hello {
                     }
                     Ok(k) => {
                         self.n += k;
-                        // Refuse a stranger as soon as its first 8 bytes are in.
+                        // Refuse a stranger (or an older peer, with a typed version
+                        // error) as soon as its first 8 bytes are in.
                         if self.n >= 8 && self.got[..8] != HELLO_MAGIC.to_le_bytes() {
+                            if self.got[..8] == HELLO_MAGIC_V1.to_le_bytes() {
+                                return Err(Error::Decode(DecodeError::Version {
+                                    what: "tcp hello (the peer speaks an older wire version)",
+                                    found: 1,
+                                    expected: WIRE_VERSION,
+                                }));
+                            }
                             return Err(Error::Protocol(
                                 "not a fabric tcp peer (bad hello)".into(),
                             ));
@@ -557,6 +593,13 @@ fn finish(sock: TcpStream, domain: &Domain) -> Result<Box<dyn Transport>> {
         max_in_flight: opts.max_in_flight,
         inline_size: 0,
         memory_kinds: MemoryKinds::HOST,
+        tagged: true,
+        max_group: super::MAX_GROUP,
+        write_imm: true,
+        unexpected_messages: opts.unexpected_messages,
+        unexpected_bytes: opts.unexpected_bytes,
+        too_long_kills_connection: false,
+        remote_error_kills_connection: false,
     };
     let hal = TcpHal {
         domain: domain.clone(),
@@ -617,7 +660,13 @@ enum Rx {
 
 #[derive(Debug, Clone, Copy)]
 enum Then {
-    CompleteRecv(Token, usize),
+    /// The receive (part), the length and the tag.
+    CompleteRecv(RecvRef, usize, u64),
+    /// The unexpected message being stashed arrived in full.
+    StashEnd,
+    /// A write-imm's bytes landed: ack it and notify (the receive that matched, or the
+    /// stashed notification when none did).
+    AckImm(FrameHeader, Option<(RecvRef, u32, usize)>),
     Ack(FrameHeader),
     CompleteRead(Token, usize),
     Nothing,
@@ -688,14 +737,20 @@ impl TcpHal {
         };
         let len = p.buf.len();
         let (mut h, payload, plen, awaits) = match p.desc {
-            OpDesc::Send => (
-                FrameHeader::new(FrameKind::Send),
-                p.buf.as_ptr() as *const u8,
-                len,
-                false,
-            ),
+            OpDesc::Send => {
+                let mut h = FrameHeader::new(FrameKind::Send);
+                h.aux0 = p.tag;
+                (h, p.buf.as_ptr() as *const u8, len, false)
+            }
             OpDesc::Write { key, off } => {
-                let mut h = FrameHeader::new(FrameKind::Write);
+                let mut h = match p.imm {
+                    Some(imm) => {
+                        let mut h = FrameHeader::new(FrameKind::WriteImm);
+                        h.aux0 = imm as u64;
+                        h
+                    }
+                    None => FrameHeader::new(FrameKind::Write),
+                };
                 h.key = key.key;
                 h.offset = off;
                 h.region = key.region;
@@ -843,8 +898,18 @@ impl TcpHal {
                 self.rx = Rx::Header;
                 moved = true;
                 match then {
-                    Then::CompleteRecv(tok, len) => {
-                        t.complete(tok, Status::Success, len, 0);
+                    Then::CompleteRecv(at, len, tag) => {
+                        t.complete_recv(at, Status::Success, len, tag, None);
+                    }
+                    Then::StashEnd => t.stash_end(),
+                    Then::AckImm(h, to) => {
+                        match to {
+                            Some((at, imm, len)) => {
+                                t.complete_recv(at, Status::Success, len, 0, Some(imm));
+                            }
+                            None => t.stash_end(),
+                        }
+                        self.owed.push_back(Owed { hdr: h, src: None });
                     }
                     Then::CompleteRead(tok, len) => {
                         t.complete(tok, Status::Success, len, 0);
@@ -913,7 +978,7 @@ impl TcpHal {
         let len = h.len as usize;
         let owes_response = matches!(
             h.kind,
-            FrameKind::Write | FrameKind::ReadReq | FrameKind::AtomicReq
+            FrameKind::Write | FrameKind::WriteImm | FrameKind::ReadReq | FrameKind::AtomicReq
         );
         if owes_response && self.owed.len() >= self.owed_cap {
             return Ok(false);
@@ -921,15 +986,30 @@ impl TcpHal {
         let proto = |what: &str| Err(Error::Protocol(format!("tcp: {what}")));
         match h.kind {
             FrameKind::Send => {
-                let Some(tok) = t.recv_front() else {
-                    return Ok(false);
+                let tag = h.aux0;
+                let Some(at) = t.match_message(tag) else {
+                    // No receive at all: the frame waits on the wire (backpressure).
+                    if !t.has_posted_recv() {
+                        return Ok(false);
+                    }
+                    // Receives wait for other tags: queue it so that they can go on (or
+                    // wait on the wire while the unexpected queue is full).
+                    let Some(dst) = t.stash_begin(tag, None, len, len) else {
+                        return Ok(false);
+                    };
+                    self.rx = Rx::Payload {
+                        dst: Some(dst),
+                        left: len,
+                        then: Then::StashEnd,
+                        _keep: None,
+                    };
+                    return Ok(true);
                 };
-                t.recv_pop();
-                let Some(p) = t.get(tok) else {
+                let Some(buf) = t.recv_buf(at) else {
                     return proto("receive queue names a finished receive");
                 };
-                if len > p.buf.len() {
-                    t.complete(tok, Status::MessageTooLong, len, 0);
+                if len > buf.len() {
+                    t.complete_recv(at, Status::MessageTooLong, len, tag, None);
                     self.rx = Rx::Payload {
                         dst: None,
                         left: len,
@@ -938,16 +1018,17 @@ impl TcpHal {
                     };
                 } else {
                     self.rx = Rx::Payload {
-                        dst: Some(p.buf.as_ptr()),
+                        dst: Some(buf.as_ptr()),
                         left: len,
-                        then: Then::CompleteRecv(tok, len),
+                        then: Then::CompleteRecv(at, len, tag),
                         _keep: None,
                     };
                 }
             }
-            FrameKind::Write => {
+            FrameKind::Write | FrameKind::WriteImm => {
                 let mut ack = FrameHeader::new(FrameKind::WriteAck);
                 ack.token = h.token;
+                let imm = (h.kind == FrameKind::WriteImm).then_some(h.aux0 as u32);
                 match self.domain.check_target(
                     h.region,
                     h.gen,
@@ -957,12 +1038,27 @@ impl TcpHal {
                     Access::REMOTE_WRITE,
                 ) {
                     Ok(r) => {
+                        let then = match imm {
+                            None => Then::Ack(ack),
+                            // The notification takes a receive matching tag 0 now (it
+                            // completes once the bytes landed), or is queued as unexpected.
+                            Some(imm) => match t.match_message(0) {
+                                Some(at) => Then::AckImm(ack, Some((at, imm, len))),
+                                None if !t.has_posted_recv() => return Ok(false),
+                                None => {
+                                    if t.stash_begin(0, Some(imm), len, 0).is_none() {
+                                        return Ok(false);
+                                    }
+                                    Then::AckImm(ack, None)
+                                }
+                            },
+                        };
                         // SAFETY: offset + len within the region (check_target).
                         let d = unsafe { r.base().add(h.offset as usize) };
                         self.rx = Rx::Payload {
                             dst: Some(d),
                             left: len,
-                            then: Then::Ack(ack),
+                            then,
                             _keep: Some(r.clone()),
                         };
                     }
@@ -1044,6 +1140,7 @@ impl TcpHal {
             FrameKind::WriteAck => {
                 let tok = Token(h.token);
                 match t.awaiting(tok).map(|p| (p.desc, p.buf.len())) {
+                    // A write with immediate is an `OpDesc::Write` too.
                     Some((OpDesc::Write { .. }, n)) => {
                         t.complete(tok, code_status(h.status), n, 0);
                     }

@@ -616,6 +616,16 @@ fn finish(v: Verbs, sock: TcpStream, domain: &Domain) -> Result<Box<dyn Transpor
         max_in_flight: opts.max_in_flight.min(CQ_DEPTH as usize / 2),
         inline_size: v.qp.max_inline_data() as usize,
         memory_kinds: MemoryKinds::HOST,
+        // Tags and grouped receives need matching with eager bounce buffers on verbs:
+        // not built yet, so refused (Unsupported) rather than faked.
+        tagged: false,
+        max_group: 0,
+        write_imm: true,
+        unexpected_messages: 0,
+        unexpected_bytes: 0,
+        // RC: a local length error and a remote access error move the QP to ERR.
+        too_long_kills_connection: true,
+        remote_error_kills_connection: true,
     };
     let hal = VerbsHal {
         conn,
@@ -695,7 +705,10 @@ impl VerbsHal {
         }
         while let Some(token) = t.submit_front() {
             let slice = Self::local(t, token)?;
-            let desc = t.live(token, "verbs submission")?.desc;
+            let (desc, imm) = {
+                let p = t.live(token, "verbs submission")?;
+                (p.desc, p.imm)
+            };
             let remote = |key: &crate::RemoteKey, off: u64, len: u64| ib::RemoteMemory {
                 addr: key.addr + off,
                 len,
@@ -705,7 +718,12 @@ impl VerbsHal {
                 OpDesc::Send => ib::SendRequest::send(slice),
                 OpDesc::Write { key, off } => {
                     let l = slice.len() as u64;
-                    ib::SendRequest::write(slice, remote(&key, off, l))
+                    let w = ib::SendRequest::write(slice, remote(&key, off, l));
+                    // Write with immediate: consumes a receive at the target.
+                    match imm {
+                        Some(imm) => w.imm(imm),
+                        None => w,
+                    }
                 }
                 OpDesc::Read { key, off } => {
                     let l = slice.len() as u64;
@@ -767,7 +785,13 @@ impl VerbsHal {
                 ),
                 _ => (p.buf.len(), 0),
             };
-            t.complete(token, status, len, value);
+            if p.desc == OpDesc::Recv {
+                // A write-imm notification completes a receive with its immediate.
+                let at = crate::tracker::RecvRef { token, part: 0 };
+                t.complete_recv(at, status, len, 0, c.imm());
+            } else {
+                t.complete(token, status, len, value);
+            }
             if !status.is_ok() && status != Status::MessageTooLong {
                 // The QP is in the error state: everything else will flush.
                 t.fail_all(status, format!("verbs completion error: {}", c.status()));
