@@ -810,3 +810,69 @@ unsafe extern "C" fn req_notify_cq(cq: *mut ibv_cq, _: c_int) -> c_int {
     c.armed_at = c.taken + c.wcs.len();
     0
 }
+
+// ---- a lean data path, for counting the safe layer's own instructions -------------------
+
+thread_local! {
+    /// Completions of the lean data path, oldest first (one queue for every CQ of the
+    /// thread: the instruction-count harness uses one CQ).
+    static LEAN: std::cell::RefCell<VecDeque<ibv_wc>> =
+        std::cell::RefCell::new(VecDeque::with_capacity(4096));
+}
+
+impl Fake {
+    /// Swaps this context's `post_send`/`poll_cq` for a lean pair that takes no lock and
+    /// logs nothing: every signalled send completes at once (success), in posting order.
+    /// Used by the host instruction-count harness ([`crate::hotpath_counts`]) so that the
+    /// provider's share of a message is a few dozen instructions and the safe layer's work
+    /// stands out; the rest of the fake (setup, teardown) is unchanged.
+    pub(crate) fn lean_data_path(&self) {
+        let ctx = self.ctx.inner.ctx;
+        // SAFETY: the fake context is live (owned by `self.ctx`) and no post or poll runs
+        // concurrently (the caller's thread owns every object of it at this point).
+        unsafe {
+            (*ctx).ops.post_send = Some(lean_post_send);
+            (*ctx).ops.poll_cq = Some(lean_poll_cq);
+        }
+    }
+}
+
+unsafe extern "C" fn lean_post_send(
+    qp: *mut ibv_qp,
+    mut wr: *mut ibv_send_wr,
+    _bad: *mut *mut ibv_send_wr,
+) -> c_int {
+    // SAFETY: `qp` is a live fake QP.
+    let qpn = unsafe { (*qp).qp_num };
+    LEAN.with(|l| {
+        let mut l = l.borrow_mut();
+        while !wr.is_null() {
+            // SAFETY: `wr` heads a valid chain (the caller's contract).
+            let w = unsafe { &*wr };
+            if w.send_flags & IBV_SEND_SIGNALED != 0 {
+                l.push_back(ibv_wc {
+                    wr_id: w.wr_id,
+                    opcode: IBV_WC_RDMA_WRITE,
+                    qp_num: qpn,
+                    ..ibv_wc::default()
+                });
+            }
+            wr = w.next;
+        }
+    });
+    0
+}
+
+unsafe extern "C" fn lean_poll_cq(_cq: *mut ibv_cq, n: c_int, wc: *mut ibv_wc) -> c_int {
+    LEAN.with(|l| {
+        let mut l = l.borrow_mut();
+        let mut k = 0;
+        while k < n.max(0) as usize {
+            let Some(w) = l.pop_front() else { break };
+            // SAFETY: `wc` has room for `n` entries (the caller's contract).
+            unsafe { wc.add(k).write(w) };
+            k += 1;
+        }
+        k as c_int
+    })
+}
