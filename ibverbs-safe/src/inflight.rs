@@ -340,6 +340,8 @@ const BUSY: u8 = 2;
 pub(crate) struct Slot {
     state: AtomicU8,
     index: u32,
+    /// The index after this one in its table (wrapping): a ring's next cursor and tail.
+    next: u32,
     queue: *const WorkQueue,
     /// Always initialised; owned by the producer while FREE (and then empty: no buffers,
     /// no address handle), by nobody on the CPU while POSTED (the device may use the
@@ -471,6 +473,7 @@ impl WorkQueue {
                     .map(|i| Slot {
                         state: AtomicU8::new(FREE),
                         index: i as u32,
+                        next: if i + 1 == depth { 0 } else { i as u32 + 1 },
                         queue: q,
                         data: UnsafeCell::new(SlotData::empty()),
                     })
@@ -522,7 +525,9 @@ impl WorkQueue {
         debug_assert!(self.ordered);
         // The cursor is always below the depth: `advance` wraps it, `fill` sets it to an
         // index it just checked.
-        let slot = &self.slots[cursor];
+        debug_assert!(cursor < self.slots.len());
+        // SAFETY: in bounds, as said above.
+        let slot = unsafe { self.slots.get_unchecked(cursor) };
         (slot.state.load(Ordering::Acquire) == FREE).then_some(slot)
     }
 
@@ -537,6 +542,12 @@ impl WorkQueue {
         let slot = unsafe { &*(wr_id as *const Slot) };
         // SAFETY: as above; a shared read.
         slot.data.with_mut(|p| f(unsafe { &*p }))
+    }
+
+    /// Moves a ring's cursor past `slot` (the one at the cursor, just posted).
+    #[inline(always)]
+    pub(crate) fn advance_past(cursor: &mut usize, slot: &Slot) {
+        *cursor = slot.next as usize;
     }
 
     #[inline]
@@ -628,12 +639,17 @@ impl WorkQueue {
         }
         // SAFETY: `queue` points at the WorkQueue owning this slot (set at construction).
         let q = unsafe { &*slot.queue };
-        let (user, scoped, ah) = slot.data.with_mut(|p| {
+        let (user, scoped) = slot.data.with_mut(|p| {
             // SAFETY: the successful CAS made us the slot's only user until we store FREE;
-            // we move the buffers and the address handle out, leaving it empty.
+            // we move the buffers out and drop the address handle, leaving it empty.
             let d = unsafe { &mut *p };
             bufs.move_into_empty(&mut d.bufs);
-            (d.user, d.scoped, d._ah.take())
+            if d._ah.is_some() {
+                // A UD send's address handle: its drop cannot panic (a failing
+                // `ibv_destroy_ah` is recorded, not raised).
+                drop_ah(d._ah.take());
+            }
+            (d.user, d.scoped)
         });
         slot.state.store(FREE, Ordering::Release);
         done(Completed {
@@ -642,20 +658,15 @@ impl WorkQueue {
             kind: q.kind,
         });
         if q.ordered {
-            let n = q.slots.len();
             let from = q.tail.load(Ordering::Relaxed);
             let end = slot.index as usize;
             // The tail moves past this slot *before* any earlier buffer is dropped: should
             // one of those drops panic, no later completion sweeps from a stale tail into
             // slots reused for newer, running work requests.
-            q.tail
-                .store(if end + 1 == n { 0 } else { end + 1 }, Ordering::Relaxed);
+            q.tail.store(slot.next as usize, Ordering::Relaxed);
             if from != end {
                 sweep(q, from, end);
             }
-        }
-        if ah.is_some() {
-            drop_ah(ah);
         }
         true
     }

@@ -4,7 +4,7 @@
 use super::{PostError, QueuePair, Rc, Transport, Uc, Ud};
 use crate::ah::{AddressHandle, AhAttr};
 use crate::error::{rc_error, Error, Result};
-use crate::inflight::{SgList, Sges, SlotData, MAX_SGE};
+use crate::inflight::{SgList, Sges, SlotData, WorkQueue, MAX_SGE};
 use crate::mr::{MrSlice, RemoteMemory};
 use crate::pd::PdInner;
 use crate::qp::Endpoint;
@@ -568,7 +568,7 @@ impl<T: Transport> QueuePair<T> {
         if rc != 0 {
             return Err(refused(core, id, rc, req));
         }
-        core.sq.advance(&mut core.sq_head);
+        WorkQueue::advance_past(&mut core.sq_head, slot);
         Ok(())
     }
 

@@ -7,6 +7,7 @@ use super::{QueuePair, Transport};
 use crate::buffer::RegionBuffer;
 use crate::cq::{Completion, CompletionQueue};
 use crate::error::{rc_error, Error, Result};
+use crate::inflight::WorkQueue;
 use crate::mr::{AccessMode, Local, MemoryRegion, RemoteMemory};
 use crate::result::ops;
 use crate::sys::{self, ibv_qp_attr, ibv_send_wr, ibv_sge};
@@ -153,7 +154,7 @@ impl<'scope, 'env, T: Transport> Scope<'scope, 'env, T> {
                 source: rc_error(rc),
             });
         }
-        core.sq.advance(&mut core.sq_head);
+        WorkQueue::advance_past(&mut core.sq_head, slot);
         self.outstanding += 1;
         Ok(())
     }
