@@ -12,7 +12,8 @@
 #   layer, libibverbs and the rxe provider; the kernel's work behind the doorbell is not
 #   counted) — the figure of record from issue 16 on;
 # * "grep": the sum of callgrind_annotate's inclusive lines naming the round function, the
-#   figure the earlier tables (issues 9 and before) were made with (kept for comparison).
+#   figure the earlier tables (issues 9 and before) were made with (kept for comparison; the
+#   same run, and the two agreed on every binary measured so far).
 # With BENCH_PROFILE=DIR, the per-function exclusive costs (per message) of each variant are
 # written to DIR/fn.<variant>.<binary name>.
 set -euo pipefail
@@ -22,13 +23,11 @@ for BIN in "$@"; do
   name=$(basename "$BIN")
   for v in owned scoped raw; do
     f=${v/owned/safe}_round
-    BENCH_SETTLE=20 BENCH_ONLY=$v valgrind --tool=callgrind --callgrind-out-file="$OUT/cg.$v" \
-      "$BIN" --rounds 4 --iters 1024 > /dev/null 2>&1
-    grep_tot=$(callgrind_annotate --inclusive=yes "$OUT/cg.$v" | grep -E "::$f \[" |
-      awk '{gsub(",", "", $1); s += $1} END {print s}')
     BENCH_SETTLE=20 BENCH_ONLY=$v valgrind --tool=callgrind --callgrind-out-file="$OUT/tg.$v" \
       --toggle-collect="*post_poll_bench::$f*" "$BIN" --rounds 4 --iters 1024 > /dev/null 2>&1
     tot=$(callgrind_annotate "$OUT/tg.$v" | awk '/PROGRAM TOTALS/ {gsub(",", "", $1); print $1}')
+    grep_tot=$(callgrind_annotate --inclusive=yes "$OUT/tg.$v" | grep -E "::$f \[" |
+      awk '{gsub(",", "", $1); s += $1} END {print s}')
     echo "$name $v: toggle $((tot / 5120)) per message ($tot / 5120); grep $((grep_tot / 5120)) per message"
     if [ -n "${BENCH_PROFILE:-}" ]; then
       mkdir -p "$BENCH_PROFILE"

@@ -113,8 +113,10 @@ impl SendRequest {
         self
     }
     /// Do not generate a completion on success. The buffers are released (dropped) when a
-    /// later signalled work request of the same QP completes, or when the QP is dropped.
-    /// Keep a clone of a handle to reuse the memory.
+    /// later signalled work request of the same QP completes (send queues complete in
+    /// order, so the device is done with them then), when a flush completion (the QP in
+    /// the error state) hands them back, or when the QP is dropped — never earlier. Keep a
+    /// clone of a handle to reuse the memory. A scope's work requests are always signalled.
     #[inline]
     pub fn unsignaled(mut self) -> Self {
         self.flags &= !sys::IBV_SEND_SIGNALED;
@@ -575,9 +577,14 @@ impl<T: Transport> QueuePair<T> {
     /// Posts every request of `batch` with a single `ibv_post_send`, returning how many
     /// were posted (the batch is then empty).
     ///
+    /// One doorbell for up to [`MAX_BATCH`] work requests; with [`SendRequest::unsignaled`]
+    /// on all but the last, one completion for all of them (selective signalling: the
+    /// buffers of the unsignalled ones are released when that completion is polled).
+    ///
     /// # Errors
     /// If a request is invalid or the provider rejects one, the requests from that one on
-    /// stay in `batch` (those before it were posted) and the error is returned.
+    /// stay in `batch` exactly as they were pushed (operation, flags, id and buffers; those
+    /// before it were posted) and the error is returned.
     pub fn post_batch(&mut self, batch: &mut SendBatch) -> Result<usize> {
         let n = batch.len;
         if n == 0 {
