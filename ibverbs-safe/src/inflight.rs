@@ -531,19 +531,6 @@ impl WorkQueue {
         (slot.state.load(Ordering::Acquire) == FREE).then_some(slot)
     }
 
-    /// Lends the data of a slot just posted by the caller (not yet handed to the provider)
-    /// to `f`.
-    #[cold]
-    #[inline(never)]
-    pub(crate) fn check_posted<R>(&self, wr_id: u64, f: impl FnOnce(&SlotData) -> R) -> R {
-        // SAFETY: `wr_id` was returned by `Slot::post` on this queue just now: the slot is
-        // POSTED, and until the work request is handed to the provider only its producer
-        // (the caller, `&mut` owner of the QP) can reach it.
-        let slot = unsafe { &*(wr_id as *const Slot) };
-        // SAFETY: as above; a shared read.
-        slot.data.with_mut(|p| f(unsafe { &*p }))
-    }
-
     /// Moves a ring's cursor past `slot` (the one at the cursor, just posted).
     #[inline(always)]
     pub(crate) fn advance_past(cursor: &mut usize, slot: &Slot) {

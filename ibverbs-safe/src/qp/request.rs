@@ -314,22 +314,6 @@ fn refused(
     }
 }
 
-/// A request the host-side checks refused after its buffers went into slot `id` (not yet
-/// handed to the provider): they go back into the request, which is handed back whole.
-#[cold]
-#[inline(never)]
-fn refused_before_posting(
-    core: &super::QpCore,
-    id: u64,
-    error: Error,
-    mut request: SendRequest,
-) -> PostError<SendRequest> {
-    if let Some(mut d) = core.sq.unfill(id) {
-        request.bufs.move_into_empty(&mut d.bufs);
-    }
-    PostError { error, request }
-}
-
 /// The kind of a send work request, as far as the host-side checks care.
 #[doc(hidden)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -544,6 +528,15 @@ impl<T: Transport> QueuePair<T> {
                 request: req,
             });
         }
+        // The checks of the buffers themselves, only where they can matter.
+        if req.flags & sys::IBV_SEND_INLINE != 0 || crate::pd::several() {
+            if let Err(error) = check_bufs(&req.bufs, req.flags, pd) {
+                return Err(PostError {
+                    error,
+                    request: req,
+                });
+            }
+        }
         let Some(slot) = core.sq.free_at(core.sq_head) else {
             return Err(queue_full(core.sq.depth(), req));
         };
@@ -551,17 +544,6 @@ impl<T: Transport> QueuePair<T> {
         // (until the completion, or the provider's refusal, hands them back).
         let (user, ah) = (req.wr_id, req.ah());
         let id = slot.post(&mut req.bufs, user, ah, false);
-        // The checks of the buffers themselves, only where they can matter, on the slot's
-        // copy (an out-of-line call borrowing the request would keep it in memory on the
-        // hot path).
-        if req.flags & sys::IBV_SEND_INLINE != 0 || crate::pd::several() {
-            if let Err(e) = core
-                .sq
-                .check_posted(id, |d| check_bufs(&d.bufs, req.flags, pd))
-            {
-                return Err(refused_before_posting(core, id, e, req));
-            }
-        }
         wr.wr_id = id;
         let mut bad = std::ptr::null_mut();
         // SAFETY: the QP is live; `wr` and `sges` are valid for the call; every SGE names a
