@@ -16,6 +16,7 @@ bin=$(cargo test --release -p ibverbs-safe --lib --no-run --message-format=json 
   sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -1)
 [ -x "$bin" ] || { echo "no test executable" >&2; exit 1; }
 OUT=${CALLGRIND_OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
 for v in owned scoped raw; do
   # collect only inside the variant's round function: the totals are its inclusive cost
   HOTPATH_ONLY=$v valgrind --tool=callgrind --callgrind-out-file="$OUT/cg.$v" \
@@ -27,7 +28,7 @@ for v in owned scoped raw; do
     # exclusive cost per function and per source file of the inlined code
     callgrind_annotate --threshold=100 "$OUT/cg.$v" |
       awk -v m=5120 '/file:function/ {on = 1; next} on && $1 ~ /^[0-9,]+$/ {
-        c = $1; gsub(",", "", c); $1 = ""; $2 = ""; printf "%8.1f %s\n", c / m, $0 }' > "$OUT/fn.$v"
+        c = $1; gsub(",", "", c); sub(/^ *[0-9,]+ +(\( *[0-9.]+%\) +)?/, ""); printf "%8.1f %s\n", c / m, $0 }' > "$OUT/fn.$v"
   fi
 done
 [ "$lines" = --lines ] && echo "per-function files: $OUT/fn.*, raw data: $OUT/cg.*"

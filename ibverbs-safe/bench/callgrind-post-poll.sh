@@ -14,8 +14,8 @@
 # * "grep": the sum of callgrind_annotate's inclusive lines naming the round function, the
 #   figure the earlier tables (issues 9 and before) were made with (kept for comparison; the
 #   same run, and the two agreed on every binary measured so far).
-# With BENCH_PROFILE=DIR, the per-function exclusive costs (per message) of each variant are
-# written to DIR/fn.<variant>.<binary name>.
+# With BENCH_PROFILE=1, the per-function exclusive costs (per message, top 40) of each
+# variant are printed too (to stdout: the guest's file system is a throw-away overlay).
 set -euo pipefail
 [ $# -gt 0 ] || set -- target/release/examples/post_poll_bench
 OUT=$(mktemp -d)
@@ -30,11 +30,10 @@ for BIN in "$@"; do
       awk '{gsub(",", "", $1); s += $1} END {print s}')
     echo "$name $v: toggle $((tot / 5120)) per message ($tot / 5120); grep $((grep_tot / 5120)) per message"
     if [ -n "${BENCH_PROFILE:-}" ]; then
-      mkdir -p "$BENCH_PROFILE"
       callgrind_annotate --threshold=100 "$OUT/tg.$v" |
-        awk -v m=5120 '/file:function/ {on = 1; next} on && $1 ~ /^[0-9,]+$/ {
-          c = $1; gsub(",", "", c); $1 = ""; printf "%8.1f %s\n", c / m, $0 }' |
-        sed -n '1,60p' > "$BENCH_PROFILE/fn.$v.$name"
+        awk -v m=5120 -v p="$name $v |" '/file:function/ {on = 1; next} on && $1 ~ /^[0-9,]+$/ {
+          c = $1; gsub(",", "", c); sub(/^ *[0-9,]+ +(\( *[0-9.]+%\) +)?/, ""); printf "%s %8.1f %s\n", p, c / m, $0 }' |
+        sed -n '1,40p'
     fi
   done
 done
