@@ -1,14 +1,16 @@
-//! perftest's five basic RC tests on `ibverbs-safe`, with the same semantics, so that
+//! perftest's six basic RC tests on `ibverbs-safe`, with the same semantics, so that
 //! `ci/softroce/bench.sh` can put them side by side with `ib_send_lat`, `ib_write_lat`,
-//! `ib_read_lat`, `ib_write_bw` and `ib_send_bw` on the same devices:
+//! `ib_read_lat`, `ib_write_bw`, `ib_send_bw` and `ib_read_bw` on the same devices:
 //!
 //! * `send_lat` — SEND/RECV ping-pong; both sides busy-poll their receive CQ, re-post each
 //!   receive, and send (signalled every `--cq-mod`, then that completion is polled);
 //! * `write_lat` — RDMA WRITE ping-pong; each side writes a counter into the last byte of
 //!   the peer's buffer and spins on the last byte of its own until the peer's write lands;
 //! * `read_lat` — the client RDMA READs the server's buffer, one at a time;
-//! * `write_bw` / `send_bw` — the client keeps `--tx-depth` writes/sends in flight,
-//!   signalling every `--cq-mod`-th; the server keeps receives posted (send_bw).
+//! * `write_bw` / `send_bw` / `read_bw` — the client keeps `--tx-depth` writes/sends/reads
+//!   in flight, signalling every `--cq-mod`-th (the others are unsignalled: their buffers are
+//!   released by the next signalled completion); the server keeps receives posted
+//!   (send_bw). With `-s 8` these are the message-rate tests (`msg_rate_Mpps`).
 //!
 //! Latency is taken as perftest does: the client's post timestamps (time-stamp counter), consecutive
 //! differences, sorted; typical = median, p99 = 99th percentile, halved for the ping-pong
@@ -83,6 +85,7 @@ enum Test {
     ReadLat,
     WriteBw,
     SendBw,
+    ReadBw,
 }
 
 impl Test {
@@ -365,13 +368,14 @@ fn bw_client(a: &Args, s: &mut Side, size: usize, iters: usize) -> AnyResult<(u6
             let signalled = (scnt + 1) % a.cq_mod == 0 || scnt + 1 == iters;
             let mut r = match a.test {
                 Test::WriteBw => SendRequest::write(src.clone(), target),
+                Test::ReadBw => SendRequest::read(src.clone(), target),
                 _ => SendRequest::send(src.clone()),
             }
             .wr_id(scnt as u64);
             if !signalled {
                 r = r.unsignaled();
             }
-            if inline {
+            if inline && a.test != Test::ReadBw {
                 r = r.inline();
             }
             if start.is_none() {
@@ -445,7 +449,7 @@ fn run(a: &Args) -> AnyResult<()> {
         (Test::SendLat, _) => send_lat(a, &mut s, size, iters, &mut stamps)?,
         (Test::WriteLat, _) => write_lat(a, &mut s, size, iters, &mut stamps)?,
         (Test::ReadLat, true) => read_lat(&mut s, size, iters, &mut stamps)?,
-        (Test::WriteBw | Test::SendBw, true) => {
+        (Test::WriteBw | Test::SendBw | Test::ReadBw, true) => {
             let (t0, t1) = bw_client(a, &mut s, size, iters)?;
             let secs = t1.wrapping_sub(t0) as f64 / per_us / 1e6;
             let mib = (size * iters) as f64 / (1 << 20) as f64;
@@ -457,7 +461,7 @@ fn run(a: &Args) -> AnyResult<()> {
             );
         }
         (Test::SendBw, false) => bw_server_recv(a, &mut s, iters)?,
-        (Test::ReadLat | Test::WriteBw, false) => {}
+        (Test::ReadLat | Test::WriteBw | Test::ReadBw, false) => {}
     }
     // the server stays until the client is done with its buffer
     sync(&mut s.sock)?;

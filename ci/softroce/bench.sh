@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # bench.sh — perftest and our verbs_perf side by side, in ONE Soft-RoCE guest boot:
-# ib_send_lat, ib_write_lat, ib_read_lat, ib_write_bw, ib_send_bw against
+# ib_send_lat, ib_write_lat, ib_read_lat, ib_send_bw, ib_write_bw, ib_read_bw, and the
+# 8-byte message rate of ib_write_bw / ib_send_bw at 32 and 128 in flight, against
 # `examples/verbs_perf.rs` (release build) on the loopback rxe device (GID index 1), same
-# sizes, iteration counts and queue settings, ROUNDS interleaved rounds (default 3).
-# Prints the table (ratio = ours / perftest) and writes it to target/softroce-bench.md.
+# sizes, iteration counts and queue settings, ROUNDS interleaved rounds (default 7).
+# Prints the table (ratio = ours / perftest: medians, the paired median of the per-round
+# ratios and their spread) and writes it to target/softroce-bench.md.
 #
 #   ci/softroce/bench.sh [ROUNDS]
 #
@@ -12,7 +14,7 @@
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)
 cd "$HERE/../.."
-ROUNDS=${1:-3}
+ROUNDS=${1:-7}
 cargo build --release --example verbs_perf
 target=$(cargo metadata --no-deps --format-version 1 | grep -o '"target_directory":"[^"]*"' | cut -d'"' -f4)
 out=$target/softroce-bench.log

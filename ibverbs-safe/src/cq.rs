@@ -431,19 +431,19 @@ impl Completion {
     fn fill(&mut self, wc: &ibv_wc) {
         self.wc = *wc;
         if wc.wr_id & 1 == 0 {
+            let (wr_id, scoped, queue) = (&mut self.wr_id, &mut self.scoped, &mut self.queue);
             // SAFETY: even wr_ids on queues created by this crate are slot addresses from
-            // `WorkQueue::fill` (the raw layer only accepts odd ids); the slot's queue is
-            // kept alive by the CQ's `attached` list; `&mut CompletionQueue` makes us the
-            // single poller. The closure only moves (our buffers are empty: nothing drops).
-            let kind = unsafe {
-                WorkQueue::complete_with(wc.wr_id, |d| {
-                    self.wr_id = d.user;
-                    self.bufs.move_into_empty(&mut d.bufs);
-                    self.scoped = d.scoped;
+            // `WorkQueue::fill`/`Slot::post` (the raw layer only accepts odd ids); the slot's
+            // queue is kept alive by the CQ's `attached` list; `&mut CompletionQueue` makes
+            // us the single poller; our buffers are empty (cleared before).
+            let claimed = unsafe {
+                WorkQueue::complete_into(wc.wr_id, &mut self.bufs, |c| {
+                    *wr_id = c.user;
+                    *scoped = c.scoped;
+                    *queue = Some(c.kind);
                 })
             };
-            if kind.is_some() {
-                self.queue = kind;
+            if claimed {
                 return;
             }
             self.wr_id = 0;

@@ -810,3 +810,85 @@ unsafe extern "C" fn req_notify_cq(cq: *mut ibv_cq, _: c_int) -> c_int {
     c.armed_at = c.taken + c.wcs.len();
     0
 }
+
+// ---- a lean data path, for counting the safe layer's own instructions -------------------
+
+/// Completions of the lean data path (one queue for the process: the instruction-count
+/// harness is its only user, on one thread): a ring of `wr_id`s with the QP number. Relaxed
+/// atomics compile to plain loads and stores; no TLS, no lock, so the provider's share of a
+/// message stays small and does not move with inlining decisions elsewhere.
+struct LeanRing {
+    ids: [std::sync::atomic::AtomicU64; LEAN_DEPTH],
+    qpn: std::sync::atomic::AtomicU32,
+    head: std::sync::atomic::AtomicUsize,
+    tail: std::sync::atomic::AtomicUsize,
+}
+
+const LEAN_DEPTH: usize = 1024;
+
+static LEAN: LeanRing = LeanRing {
+    ids: [const { std::sync::atomic::AtomicU64::new(0) }; LEAN_DEPTH],
+    qpn: std::sync::atomic::AtomicU32::new(0),
+    head: std::sync::atomic::AtomicUsize::new(0),
+    tail: std::sync::atomic::AtomicUsize::new(0),
+};
+
+impl Fake {
+    /// Swaps this context's `post_send`/`poll_cq` for a lean pair that takes no lock and
+    /// logs nothing: every signalled send completes at once (success), in posting order.
+    /// Used by the host instruction-count harness (`hotpath_counts`) so that the provider's
+    /// share of a message is a few dozen instructions and the safe layer's work stands out;
+    /// the rest of the fake (setup, teardown) is unchanged.
+    pub(crate) fn lean_data_path(&self) {
+        let ctx = self.ctx.inner.ctx;
+        // SAFETY: the fake context is live (owned by `self.ctx`) and no post or poll runs
+        // concurrently (the caller's thread owns every object of it at this point).
+        unsafe {
+            (*ctx).ops.post_send = Some(lean_post_send);
+            (*ctx).ops.poll_cq = Some(lean_poll_cq);
+        }
+    }
+}
+
+unsafe extern "C" fn lean_post_send(
+    qp: *mut ibv_qp,
+    mut wr: *mut ibv_send_wr,
+    _bad: *mut *mut ibv_send_wr,
+) -> c_int {
+    use std::sync::atomic::Ordering::Relaxed;
+    // SAFETY: `qp` is a live fake QP.
+    LEAN.qpn.store(unsafe { (*qp).qp_num }, Relaxed);
+    let mut t = LEAN.tail.load(Relaxed);
+    while !wr.is_null() {
+        // SAFETY: `wr` heads a valid chain (the caller's contract).
+        let w = unsafe { &*wr };
+        if w.send_flags & IBV_SEND_SIGNALED != 0 {
+            LEAN.ids[t % LEAN_DEPTH].store(w.wr_id, Relaxed);
+            t = t.wrapping_add(1);
+        }
+        wr = w.next;
+    }
+    LEAN.tail.store(t, Relaxed);
+    0
+}
+
+unsafe extern "C" fn lean_poll_cq(_cq: *mut ibv_cq, n: c_int, wc: *mut ibv_wc) -> c_int {
+    use std::sync::atomic::Ordering::Relaxed;
+    let (mut h, t) = (LEAN.head.load(Relaxed), LEAN.tail.load(Relaxed));
+    let qp_num = LEAN.qpn.load(Relaxed);
+    let mut k = 0;
+    while k < n.max(0) as usize && h != t {
+        let w = ibv_wc {
+            wr_id: LEAN.ids[h % LEAN_DEPTH].load(Relaxed),
+            opcode: IBV_WC_RDMA_WRITE,
+            qp_num,
+            ..ibv_wc::default()
+        };
+        // SAFETY: `wc` has room for `n` entries (the caller's contract).
+        unsafe { wc.add(k).write(w) };
+        h = h.wrapping_add(1);
+        k += 1;
+    }
+    LEAN.head.store(h, Relaxed);
+    k as c_int
+}

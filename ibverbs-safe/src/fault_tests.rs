@@ -522,6 +522,157 @@ fn post_batch_with_a_bad_wr_naming_nothing_keeps_the_buffers() {
     let _ = WC_FLUSH;
 }
 
+/// A batch the provider refuses part-way hands the refused requests back whole (operation,
+/// remote target, immediate data, flags, id and buffers), so they can be posted again as
+/// they were; before, they came back as plain SENDs of their buffers.
+#[test]
+fn post_batch_refused_part_way_hands_the_requests_back_whole() {
+    let f = Fake::new();
+    let mut cq = f.ctx.create_cq(16).unwrap();
+    let (pd, mut qp) = rc_qp(&f, &cq, &cq, 8);
+    let qpn = qp.qp_num();
+    let mut mr = pd.alloc_region(64).unwrap();
+    let mut batch = SendBatch::new();
+    batch
+        .push(
+            SendRequest::write(mr.slice(..8).unwrap(), remote())
+                .unsignaled()
+                .wr_id(1),
+        )
+        .unwrap();
+    batch
+        .push(SendRequest::read(mr.slice(8..16).unwrap(), remote()).wr_id(2))
+        .unwrap();
+    batch
+        .push(
+            SendRequest::write(mr.slice(16..24).unwrap(), remote())
+                .imm(7)
+                .unsignaled()
+                .wr_id(3),
+        )
+        .unwrap();
+    f.with(|s| {
+        s.post_send_mode = Some(PostSendMode::FailAt {
+            n: 1,
+            rc: libc::ENOMEM,
+        })
+    });
+    let e = qp.post_batch(&mut batch).unwrap_err();
+    assert!(matches!(e, Error::PostSend { .. }), "{e:?}");
+    assert_eq!(batch.len(), 2, "the two refused requests stay in the batch");
+    assert_eq!(f.sends_on_device(qpn), 1);
+    assert_eq!(qp.send_in_flight(), 1, "refused slots were taken back");
+    assert_eq!(mr.outstanding(), 3, "no buffer was lost or freed");
+    // Posted again as they came back: the device sees the original operations.
+    f.with(|s| {
+        s.post_send_mode = None;
+        s.log.clear();
+    });
+    for r in batch.drain() {
+        assert_eq!(r.bufs().len(), 1, "the request has its buffer back");
+        qp.post_send(r).unwrap();
+    }
+    let seen: Vec<(u64, u32, bool)> = f.with(|s| {
+        s.log
+            .iter()
+            .map(|w| (w.wr_id, w.opcode, w.flags & raw::IBV_SEND_SIGNALED != 0))
+            .collect()
+    });
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    assert_eq!(seen[0].1, raw::IBV_WR_RDMA_READ, "{seen:?}");
+    assert!(seen[0].2, "the READ stays signalled");
+    assert_eq!(seen[1].1, raw::IBV_WR_RDMA_WRITE_WITH_IMM, "{seen:?}");
+    assert!(!seen[1].2, "the WRITE stays unsignalled");
+    // Everything completes; the signalled READ's completion retires all three.
+    f.complete_sends(qpn, 3, 0);
+    let mut out = Completion::buffer(4);
+    assert_eq!(cq.poll(&mut out).unwrap(), 1);
+    assert_eq!(out[0].wr_id(), 2);
+    drop(out);
+    assert_eq!(
+        qp.send_in_flight(),
+        1,
+        "the last (unsignalled) WRITE is in flight"
+    );
+    assert_eq!(mr.outstanding(), 1);
+}
+
+/// Selective signalling stays sound: the buffers of unsignalled work requests are held
+/// until a later signalled completion of the same QP (or a flush, or the QP's destruction)
+/// shows the device is done with them — never handed back or freed before, even when the
+/// device has finished them.
+#[test]
+fn unsignalled_buffers_wait_for_a_later_signalled_completion() {
+    let f = Fake::new();
+    let mut cq = f.ctx.create_cq(32).unwrap();
+    let (pd, mut qp) = rc_qp(&f, &cq, &cq, 8);
+    let qpn = qp.qp_num();
+    let mut mr = pd.alloc_region(64).unwrap();
+    for i in 0..3u64 {
+        let s = mr.slice(8 * i as usize..8 * (i as usize + 1)).unwrap();
+        qp.post_send(SendRequest::write(s, remote()).unsignaled().wr_id(i))
+            .unwrap();
+    }
+    // The device finished them (no completion: unsignalled); nothing comes back yet.
+    assert_eq!(f.complete_sends(qpn, 3, 0), 0);
+    let mut out = Completion::buffer(4);
+    assert_eq!(cq.poll(&mut out).unwrap(), 0);
+    assert_eq!(
+        mr.outstanding(),
+        3,
+        "unsignalled buffers released without a completion"
+    );
+    assert_eq!(qp.send_in_flight(), 3);
+    assert!(
+        matches!(mr.as_mut_slice(), Err(Error::RegionBusy(3))),
+        "the CPU may not touch memory the device may still use"
+    );
+    // A batch: one more unsignalled, then a signalled one behind the same doorbell.
+    let mut batch = SendBatch::new();
+    batch
+        .push(
+            SendRequest::write(mr.slice(24..32).unwrap(), remote())
+                .unsignaled()
+                .wr_id(3),
+        )
+        .unwrap();
+    batch
+        .push(SendRequest::write(mr.slice(32..40).unwrap(), remote()).wr_id(4))
+        .unwrap();
+    assert_eq!(qp.post_batch(&mut batch).unwrap(), 2);
+    assert_eq!(f.with(|s| s.log.len()), 5);
+    assert_eq!(cq.poll(&mut out).unwrap(), 0, "nothing completed yet");
+    assert_eq!(mr.outstanding(), 5);
+    // Only the signalled completion retires the four before it, and hands back its own.
+    assert_eq!(f.complete_sends(qpn, 2, 0), 1);
+    assert_eq!(cq.poll(&mut out).unwrap(), 1);
+    assert_eq!(out[0].wr_id(), 4);
+    assert_eq!(out[0].bufs().len(), 1, "its own buffer comes back");
+    assert_eq!(qp.send_in_flight(), 0);
+    assert_eq!(
+        mr.outstanding(),
+        1,
+        "the retired unsignalled buffers were released"
+    );
+    drop(out);
+    assert_eq!(mr.outstanding(), 0);
+    // Unsignalled work flushed by an error hands its buffers back in its flush completion.
+    qp.post_send(
+        SendRequest::write(mr.slice(..8).unwrap(), remote())
+            .unsignaled()
+            .wr_id(9),
+    )
+    .unwrap();
+    qp.set_error().unwrap();
+    let mut out = Completion::buffer(4);
+    assert_eq!(cq.poll(&mut out).unwrap(), 1);
+    assert_eq!(out[0].wr_id(), 9);
+    assert_eq!(out[0].status(), WcStatus::WrFlush);
+    assert_eq!(out[0].bufs().len(), 1);
+    drop(out);
+    assert_eq!(mr.outstanding(), 0);
+}
+
 /// A region whose first byte is 3 bytes past an 8-aligned address (so its first word
 /// straddles its start).
 struct Offset3(AlignedBuffer);

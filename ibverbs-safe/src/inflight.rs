@@ -35,6 +35,11 @@ impl<T> UnsafeCell<T> {
     fn with_mut<R>(&self, f: impl FnOnce(*mut T) -> R) -> R {
         f(self.0.get())
     }
+    /// The raw pointer (the hot paths; under loom, `with_mut` tracks the access instead).
+    #[inline(always)]
+    fn get_mut_ptr(&self) -> *mut T {
+        self.0.get()
+    }
 }
 use std::mem::MaybeUninit;
 use std::sync::Arc;
@@ -42,6 +47,10 @@ use std::sync::Arc;
 /// The most scatter/gather elements one safe work request can carry (use the raw layer for
 /// more).
 pub const MAX_SGE: usize = 4;
+
+/// The scatter/gather elements of one work request, written by [`SgList::encode`] (only the
+/// first `num_sge` are initialised; nothing else is read).
+pub(crate) type Sges = [MaybeUninit<crate::sys::ibv_sge>; MAX_SGE];
 
 /// The buffers of one work request: up to [`MAX_SGE`] [`MrSlice`] handles.
 ///
@@ -65,10 +74,7 @@ impl Default for SgList {
 impl Drop for SgList {
     #[inline]
     fn drop(&mut self) {
-        for item in &mut self.items[..self.len as usize] {
-            // SAFETY: the first `len` entries are initialised and dropped exactly once here.
-            unsafe { item.assume_init_drop() };
-        }
+        self.clear();
     }
 }
 
@@ -144,14 +150,30 @@ impl SgList {
 
     /// Writes the scatter/gather elements; returns their number and total length.
     #[inline]
-    pub(crate) fn encode(&self, sges: &mut [crate::sys::ibv_sge; MAX_SGE]) -> (usize, u64) {
-        let items = self.as_slice();
+    pub(crate) fn encode(&self, sges: &mut Sges) -> (usize, u64) {
+        let n = self.len as usize;
+        debug_assert!(n <= MAX_SGE);
         let mut total = 0u64;
-        for (sge, s) in sges.iter_mut().zip(items) {
-            *sge = s.sge();
+        // Constant indices (see `clear`).
+        let mut one = |i: usize| {
+            // SAFETY: called only for `i < len`: an initialised entry.
+            let s = unsafe { self.items[i].assume_init_ref() };
+            sges[i].write(s.sge());
             total += s.len() as u64;
+        };
+        if n > 0 {
+            one(0);
+            if n > 1 {
+                one(1);
+                if n > 2 {
+                    one(2);
+                    if n > 3 {
+                        one(3);
+                    }
+                }
+            }
         }
-        (items.len(), total)
+        (n, total)
     }
 
     /// Whether a buffer is registered in another protection domain than `pd` (its lkey
@@ -188,30 +210,61 @@ impl SgList {
     }
 
     /// Drops every buffer in place, leaving the list empty. Emptied first: should a drop
-    /// panic, nothing is dropped twice (the rest is leaked).
-    #[inline]
+    /// panic, nothing is dropped twice (the rest is leaked). The one-buffer case (the usual
+    /// one) is inline; more buffers take an out-of-line loop.
+    #[inline(always)]
     pub(crate) fn clear(&mut self) {
-        let n = (self.len as usize).min(MAX_SGE);
+        let n = self.len as usize;
+        debug_assert!(n <= MAX_SGE);
+        if n == 0 {
+            return;
+        }
         self.len = 0;
-        for item in &mut self.items[..n] {
-            // SAFETY: the first `n` entries were initialised; `len` is 0 now, so each is
-            // dropped exactly once.
-            unsafe { item.assume_init_drop() };
+        // Constant indices only (no loop, no out-of-line call taking the list's address):
+        // a list on the stack can then live in registers.
+        // SAFETY: the first `n` entries were initialised; `len` is 0 now, so each is dropped
+        // exactly once (a panicking drop leaks the rest).
+        unsafe {
+            self.items[0].assume_init_drop();
+            if n > 1 {
+                self.items[1].assume_init_drop();
+                if n > 2 {
+                    self.items[2].assume_init_drop();
+                    if n > 3 {
+                        self.items[3].assume_init_drop();
+                    }
+                }
+            }
         }
     }
 
     /// Moves `src`'s buffers into this list, which must be empty (nothing is dropped, so
-    /// this cannot panic), leaving `src` empty.
+    /// this cannot panic), leaving `src` empty. The first entry is copied unconditionally
+    /// (as `MaybeUninit` bytes: it is only read as a buffer when `len` says so), the others
+    /// only when there are more.
     #[inline(always)]
     pub(crate) fn move_into_empty(&mut self, src: &mut SgList) {
         debug_assert!(self.is_empty());
-        let m = (src.len as usize).min(MAX_SGE);
+        let m = src.len as usize;
+        debug_assert!(m <= MAX_SGE);
         src.len = 0;
-        // SAFETY: `src`'s first `m` entries are initialised and, with its `len` now 0, owned
-        // by nobody else; `self` is empty, so its entries are uninitialised; the lists are
-        // distinct (`&mut` to both).
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.items.as_ptr(), self.items.as_mut_ptr(), m);
+        // Copies of `MaybeUninit` entries between two distinct lists (`&mut` to both), at
+        // constant indices: an uninitialised entry stays uninitialised and is read as a
+        // buffer only when `len` (set below) covers it; a copied buffer is owned by `self`
+        // alone (`src`'s `len` is 0 now).
+        let copy = |i: usize, dst: &mut Self, src: &Self| {
+            // SAFETY: as above (the two lists are distinct).
+            unsafe { std::ptr::copy_nonoverlapping(&src.items[i], &mut dst.items[i], 1) }
+        };
+        copy(0, self, src);
+        if m > 1 {
+            copy(1, self, src);
+            if m > 2 {
+                copy(2, self, src);
+                if m > 3 {
+                    copy(3, self, src);
+                }
+            }
         }
         self.len = m as u8;
     }
@@ -258,7 +311,8 @@ macro_rules! sglist_from_array {
 }
 sglist_from_array!(1, 2, 3, 4);
 
-/// What one slot holds while its work request is in flight.
+/// What one slot holds while its work request is in flight (a free slot holds an empty
+/// list, no address handle).
 pub(crate) struct SlotData {
     pub(crate) bufs: SgList,
     pub(crate) user: u64,
@@ -268,6 +322,17 @@ pub(crate) struct SlotData {
     pub(crate) scoped: bool,
 }
 
+impl SlotData {
+    fn empty() -> Self {
+        SlotData {
+            bufs: SgList::new(),
+            user: 0,
+            _ah: None,
+            scoped: false,
+        }
+    }
+}
+
 const FREE: u8 = 0;
 const POSTED: u8 = 1;
 const BUSY: u8 = 2;
@@ -275,10 +340,86 @@ const BUSY: u8 = 2;
 pub(crate) struct Slot {
     state: AtomicU8,
     index: u32,
+    /// The index after this one in its table (wrapping): a ring's next cursor and tail.
+    next: u32,
     queue: *const WorkQueue,
-    /// Initialised exactly while `state` is POSTED or BUSY (between a producer's fill and
-    /// the take of whoever completes or releases it).
-    data: UnsafeCell<MaybeUninit<SlotData>>,
+    /// Always initialised; owned by the producer while FREE (and then empty: no buffers,
+    /// no address handle), by nobody on the CPU while POSTED (the device may use the
+    /// buffers), by whoever moved it POSTED -> BUSY until it stores FREE.
+    data: UnsafeCell<SlotData>,
+}
+
+impl Slot {
+    /// Fills this FREE slot (from [`WorkQueue::free_at`], or found free by `fill`) with the
+    /// buffers of `bufs` (moved out, leaving it empty), the user's id and, for UD sends,
+    /// the address handle; publishes it POSTED and returns its `wr_id`.
+    ///
+    /// Must only be called by the queue's single producer, on a slot it saw FREE.
+    #[inline(always)]
+    pub(crate) fn post(
+        &self,
+        bufs: &mut SgList,
+        user: u64,
+        ah: Option<AddressHandle>,
+        scoped: bool,
+    ) -> u64 {
+        // SAFETY: FREE slots are owned by the single producer (us) and empty (every taker
+        // moved the contents out); the caller's Acquire load of FREE synchronises with the
+        // taker's Release store of FREE. Nothing here drops anything.
+        #[cfg(not(ibverbs_loom))]
+        let d = unsafe { &mut *self.data.get_mut_ptr() };
+        #[cfg(ibverbs_loom)]
+        let guard = self.data.get_mut();
+        // SAFETY: as above (loom tracks the access while `guard` lives).
+        #[cfg(ibverbs_loom)]
+        let d = unsafe { guard.deref() };
+        d.bufs.move_into_empty(bufs);
+        d.user = user;
+        if ah.is_some() {
+            // SAFETY: as above; the empty slot's handle is `None` (nothing to drop).
+            unsafe { std::ptr::write(&mut d._ah, ah) };
+        }
+        d.scoped = scoped;
+        self.state.store(POSTED, Ordering::Release);
+        self as *const Slot as u64
+    }
+}
+
+impl Slot {
+    /// As [`post`](Self::post) for a work request without buffers to hold (scoped work
+    /// requests borrow their memory): a FREE slot's list is empty already.
+    #[inline(always)]
+    pub(crate) fn post_borrowed(&self, user: u64) -> u64 {
+        debug_assert_eq!(self.state.load(Ordering::Relaxed), FREE);
+        // SAFETY: as in `post`: a FREE slot is the producer's, and empty.
+        #[cfg(not(ibverbs_loom))]
+        let d = unsafe { &mut *self.data.get_mut_ptr() };
+        #[cfg(ibverbs_loom)]
+        let guard = self.data.get_mut();
+        // SAFETY: as above (loom tracks the access while `guard` lives).
+        #[cfg(ibverbs_loom)]
+        let d = unsafe { guard.deref() };
+        debug_assert!(d.bufs.is_empty() && d._ah.is_none());
+        d.user = user;
+        d.scoped = true;
+        self.state.store(POSTED, Ordering::Release);
+        self as *const Slot as u64
+    }
+}
+
+/// What a completion's slot held besides its buffers.
+#[derive(Clone, Copy)]
+pub(crate) struct Completed {
+    pub(crate) user: u64,
+    pub(crate) scoped: bool,
+    pub(crate) kind: QueueKind,
+}
+
+/// Drops a UD send's address handle once its slot is free (out of line: rare).
+#[cold]
+#[inline(never)]
+fn drop_ah(ah: Option<AddressHandle>) {
+    drop(ah);
 }
 
 /// Which queue a completion came from.
@@ -332,8 +473,9 @@ impl WorkQueue {
                     .map(|i| Slot {
                         state: AtomicU8::new(FREE),
                         index: i as u32,
+                        next: if i + 1 == depth { 0 } else { i as u32 + 1 },
                         queue: q,
-                        data: UnsafeCell::new(MaybeUninit::uninit()),
+                        data: UnsafeCell::new(SlotData::empty()),
                     })
                     .collect(),
                 ordered,
@@ -356,14 +498,13 @@ impl WorkQueue {
     /// Must only be called by the queue's single producer (the `&mut` owner of the QP/SRQ).
     #[inline]
     #[allow(clippy::result_large_err)] // hands the caller's data back; no allocation
-    pub(crate) fn fill(&self, cursor: &mut usize, data: SlotData) -> Result<u64, SlotData> {
+    pub(crate) fn fill(&self, cursor: &mut usize, mut data: SlotData) -> Result<u64, SlotData> {
         if self.ordered {
             // A ring: only the slot at the cursor can be next.
-            let slot = &self.slots[*cursor];
-            if slot.state.load(Ordering::Acquire) != FREE {
-                return Err(data);
-            }
-            return Ok(Self::put(slot, data));
+            return match self.free_at(*cursor) {
+                Some(slot) => Ok(slot.post(&mut data.bufs, data.user, data._ah, data.scoped)),
+                None => Err(data),
+            };
         }
         let n = self.slots.len();
         let mut i = *cursor;
@@ -371,34 +512,29 @@ impl WorkQueue {
             let slot = &self.slots[i];
             if slot.state.load(Ordering::Acquire) == FREE {
                 *cursor = i;
-                return Ok(Self::put(slot, data));
+                return Ok(slot.post(&mut data.bufs, data.user, data._ah, data.scoped));
             }
             i = if i + 1 == n { 0 } else { i + 1 };
         }
         Err(data)
     }
 
-    /// Fills a FREE slot owned by the single producer and publishes it as POSTED.
+    /// The slot at a ring's cursor, if it is free (else the ring is full). Producer only.
     #[inline(always)]
-    fn put(slot: &Slot, data: SlotData) -> u64 {
-        // SAFETY: FREE slots are owned by the single producer (us) and hold no data (every
-        // taker moved it out), so writing without dropping is exact; the caller's Acquire
-        // load of FREE synchronises with the completer's Release store of FREE.
-        slot.data.with_mut(|p| unsafe { (*p).write(data) });
-        slot.state.store(POSTED, Ordering::Release);
-        slot as *const Slot as u64
+    pub(crate) fn free_at(&self, cursor: usize) -> Option<&Slot> {
+        debug_assert!(self.ordered);
+        // The cursor is always below the depth: `advance` wraps it, `fill` sets it to an
+        // index it just checked.
+        debug_assert!(cursor < self.slots.len());
+        // SAFETY: in bounds, as said above.
+        let slot = unsafe { self.slots.get_unchecked(cursor) };
+        (slot.state.load(Ordering::Acquire) == FREE).then_some(slot)
     }
 
-    /// Lends the data of a slot just filled (not yet handed to the provider) to `f`.
-    #[cold]
-    #[inline(never)]
-    pub(crate) fn check_filled<R>(&self, wr_id: u64, f: impl FnOnce(&SlotData) -> R) -> R {
-        // SAFETY: `wr_id` was returned by `fill` on this queue just now: the slot is POSTED
-        // with initialised data, and until the work request is handed to the provider only
-        // its producer (the caller, `&mut` owner of the QP) can reach it.
-        let slot = unsafe { &*(wr_id as *const Slot) };
-        // SAFETY: as above; shared read of initialised data.
-        slot.data.with_mut(|p| f(unsafe { (*p).assume_init_ref() }))
+    /// Moves a ring's cursor past `slot` (the one at the cursor, just posted).
+    #[inline(always)]
+    pub(crate) fn advance_past(cursor: &mut usize, slot: &Slot) {
+        *cursor = slot.next as usize;
     }
 
     #[inline]
@@ -409,7 +545,7 @@ impl WorkQueue {
 
     /// Takes back a slot whose work request was never accepted by the provider.
     pub(crate) fn unfill(&self, wr_id: u64) -> Option<SlotData> {
-        // SAFETY: `wr_id` was returned by `fill` on this queue just now.
+        // SAFETY: `wr_id` was returned by `fill`/`Slot::post` on this queue just now.
         let slot = unsafe { &*(wr_id as *const Slot) };
         Self::take(slot)
     }
@@ -423,9 +559,17 @@ impl WorkQueue {
         {
             return None;
         }
-        // SAFETY: the successful CAS made us the slot's only user until we store FREE, and a
-        // POSTED slot holds initialised data, which we move out (the slot is FREE after).
-        let d = slot.data.with_mut(|p| unsafe { (*p).assume_init_read() });
+        // SAFETY: the successful CAS made us the slot's only user until we store FREE; we
+        // move its contents out, leaving it empty as a FREE slot must be.
+        let d = slot.data.with_mut(|p| unsafe {
+            let d = &mut *p;
+            SlotData {
+                bufs: d.bufs.take(),
+                user: d.user,
+                _ah: d._ah.take(),
+                scoped: d.scoped,
+            }
+        });
         slot.state.store(FREE, Ordering::Release);
         Some(d)
     }
@@ -439,70 +583,79 @@ impl WorkQueue {
     /// must only be called by the single poller of that queue's CQ.
     #[cfg(test)]
     pub(crate) unsafe fn complete(wr_id: u64) -> Option<(SlotData, QueueKind)> {
-        let mut out = None;
+        let mut bufs = SgList::new();
+        let mut got = None;
         // SAFETY: the caller's contract.
-        let kind = unsafe {
-            Self::complete_with(wr_id, |d| {
-                out = Some(SlotData {
-                    bufs: d.bufs.take(),
-                    user: d.user,
-                    _ah: d._ah.take(),
-                    scoped: d.scoped,
-                })
-            })
-        }?;
-        out.map(|d| (d, kind))
+        unsafe { Self::complete_into(wr_id, &mut bufs, |c| got = Some(c)) };
+        let done = got?;
+        Some((
+            SlotData {
+                bufs,
+                user: done.user,
+                _ah: None,
+                scoped: done.scoped,
+            },
+            done.kind,
+        ))
     }
 
-    /// As [`complete`](Self::complete), lending the slot's data to `f` in place (the hot
-    /// path moves the buffers straight into a `Completion`); what `f` leaves is dropped.
-    /// `f` and the drop of what it leaves must not panic (the callers move the buffers out
-    /// and leave nothing that panics on drop): the slot is claimed meanwhile. The buffers
-    /// of the earlier unsignalled slots this completion retires are dropped after the slot
-    /// is free and the ring's tail moved past it; those drops may panic (see [`sweep`]).
+    /// As [`complete`](Self::complete), moving the slot's buffers into `bufs` (which must be
+    /// empty: the hot path moves them straight into a `Completion`) and handing the rest to
+    /// `done` (which must not panic) as soon as the slot is free; returns whether the slot
+    /// was posted. Claiming the slot, moving the buffers and freeing the slot cannot panic.
+    /// Dropped afterwards, once the slot is free and the ring's tail moved past it: the
+    /// address handle of a UD send, and the buffers of the earlier unsignalled slots this
+    /// completion retires; those drops may panic (see [`sweep`]), after `done` ran.
     ///
     /// # Safety
     /// As [`complete`](Self::complete).
     #[inline(always)]
-    pub(crate) unsafe fn complete_with(
+    pub(crate) unsafe fn complete_into(
         wr_id: u64,
-        f: impl FnOnce(&mut SlotData),
-    ) -> Option<QueueKind> {
+        bufs: &mut SgList,
+        done: impl FnOnce(Completed),
+    ) -> bool {
         // SAFETY: contract: the slot and its queue are alive.
         let slot = unsafe { &*(wr_id as *const Slot) };
-        // SAFETY: `queue` points at the WorkQueue owning this slot (set at construction).
-        let q = unsafe { &*slot.queue };
         if slot
             .state
             .compare_exchange(POSTED, BUSY, Ordering::Acquire, Ordering::Relaxed)
             .is_err()
         {
-            return None;
+            return false;
         }
-        slot.data.with_mut(|p| {
-            // SAFETY: the successful CAS made us the slot's only user until we store FREE,
-            // and a POSTED slot holds initialised data; after `f` it is dropped in place
-            // exactly once (the slot is FREE, i.e. uninitialised, after).
-            unsafe {
-                f((*p).assume_init_mut());
-                (*p).assume_init_drop();
+        // SAFETY: `queue` points at the WorkQueue owning this slot (set at construction).
+        let q = unsafe { &*slot.queue };
+        let (user, scoped) = slot.data.with_mut(|p| {
+            // SAFETY: the successful CAS made us the slot's only user until we store FREE;
+            // we move the buffers out and drop the address handle, leaving it empty.
+            let d = unsafe { &mut *p };
+            bufs.move_into_empty(&mut d.bufs);
+            if d._ah.is_some() {
+                // A UD send's address handle: its drop cannot panic (a failing
+                // `ibv_destroy_ah` is recorded, not raised).
+                drop_ah(d._ah.take());
             }
+            (d.user, d.scoped)
         });
         slot.state.store(FREE, Ordering::Release);
+        done(Completed {
+            user,
+            scoped,
+            kind: q.kind,
+        });
         if q.ordered {
-            let n = q.slots.len();
             let from = q.tail.load(Ordering::Relaxed);
             let end = slot.index as usize;
             // The tail moves past this slot *before* any earlier buffer is dropped: should
             // one of those drops panic, no later completion sweeps from a stale tail into
             // slots reused for newer, running work requests.
-            q.tail
-                .store(if end + 1 == n { 0 } else { end + 1 }, Ordering::Relaxed);
+            q.tail.store(slot.next as usize, Ordering::Relaxed);
             if from != end {
                 sweep(q, from, end);
             }
         }
-        Some(q.kind)
+        true
     }
 
     /// Releases every in-flight slot (after the QP/SRQ was destroyed: the device no longer
@@ -641,12 +794,16 @@ impl SlotTable {
             return (None, Vec::new());
         };
         let before: Vec<Option<u64>> = (0..self.q.depth()).map(|i| self.posted(i)).collect();
-        let mut got = None;
+        let mut bufs = SgList::new();
         // SAFETY: the id names a slot of `self.q`, alive while `self` is; `&mut self` makes
         // this the table's single poller.
+        let mut got = None;
+        // SAFETY: as above.
         unsafe {
-            WorkQueue::complete_with(slot as *const Slot as u64, |d| got = Some(d.user));
-        }
+            WorkQueue::complete_into(slot as *const Slot as u64, &mut bufs, |c| {
+                got = Some(c.user)
+            })
+        };
         let swept = before
             .iter()
             .enumerate()
@@ -662,12 +819,9 @@ impl SlotTable {
         if slot.state.load(Ordering::Acquire) != POSTED {
             return None;
         }
-        // SAFETY: a POSTED slot holds initialised data; `&self` with the table's `&mut`
-        // methods means no taker runs concurrently; we only read `user`.
-        Some(
-            slot.data
-                .with_mut(|p| unsafe { (*p).assume_init_ref().user }),
-        )
+        // SAFETY: `&self` with the table's `&mut` methods means no taker runs concurrently;
+        // we only read `user`.
+        Some(slot.data.with_mut(|p| unsafe { (*p).user }))
     }
 
     /// Releases everything in flight (QP destroyed); returns how many slots were released.

@@ -338,6 +338,8 @@ mod fake;
 #[cfg(test)]
 mod fault_tests;
 mod gid;
+#[cfg(test)]
+mod hotpath_counts;
 mod inflight;
 mod loader;
 mod mr;

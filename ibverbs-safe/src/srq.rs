@@ -168,7 +168,11 @@ pub(crate) fn recv_sges(
     pd: &ProtectionDomain,
 ) -> Result<([ibv_sge; MAX_SGE], usize)> {
     let mut sges = [ibv_sge::default(); MAX_SGE];
-    let (n, _) = bufs.encode(&mut sges);
+    let items = bufs.as_slice();
+    for (sge, b) in sges.iter_mut().zip(items) {
+        *sge = b.sge();
+    }
+    let n = items.len();
     if crate::pd::several() && bufs.any_foreign(Arc::as_ptr(&pd.inner)) {
         return Err(Error::ForeignObject("a buffer of the work request"));
     }

@@ -929,7 +929,7 @@ fn release_slot(wr_id: u64) {
     // SAFETY: even wr_ids are slot addresses of queues attached to the polling CQ, which
     // keeps them alive; `&mut CompletionQueue` makes the caller the single poller.
     unsafe {
-        crate::inflight::WorkQueue::complete_with(wr_id, |d| bufs.move_into_empty(&mut d.bufs));
+        crate::inflight::WorkQueue::complete_into(wr_id, &mut bufs, |_| {});
     }
     drop(bufs);
 }

@@ -4,7 +4,7 @@
 use super::{PostError, QueuePair, Rc, Transport, Uc, Ud};
 use crate::ah::{AddressHandle, AhAttr};
 use crate::error::{rc_error, Error, Result};
-use crate::inflight::{SgList, SlotData, MAX_SGE};
+use crate::inflight::{SgList, Sges, SlotData, WorkQueue, MAX_SGE};
 use crate::mr::{MrSlice, RemoteMemory};
 use crate::pd::PdInner;
 use crate::qp::Endpoint;
@@ -113,8 +113,10 @@ impl SendRequest {
         self
     }
     /// Do not generate a completion on success. The buffers are released (dropped) when a
-    /// later signalled work request of the same QP completes, or when the QP is dropped.
-    /// Keep a clone of a handle to reuse the memory.
+    /// later signalled work request of the same QP completes (send queues complete in
+    /// order, so the device is done with them then), when a flush completion (the QP in
+    /// the error state) hands them back, or when the QP is dropped — never earlier. Keep a
+    /// clone of a handle to reuse the memory. A scope's work requests are always signalled.
     #[inline]
     pub fn unsignaled(mut self) -> Self {
         self.flags &= !sys::IBV_SEND_SIGNALED;
@@ -156,7 +158,7 @@ impl SendRequest {
         max_inline: u32,
         pd: *const PdInner,
         wr: &mut ibv_send_wr,
-        sges: &mut [ibv_sge; MAX_SGE],
+        sges: &mut Sges,
     ) -> Result<()> {
         let (n, total) = self.bufs.encode(sges);
         self.shape::<T>(total).check(max_sge, max_inline)?;
@@ -166,7 +168,7 @@ impl SendRequest {
             check_bufs(&self.bufs, self.flags, pd)?;
         }
         wr.next = std::ptr::null_mut();
-        wr.sg_list = sges.as_mut_ptr();
+        wr.sg_list = sges.as_mut_ptr().cast();
         wr.num_sge = n as i32;
         wr.send_flags = self.flags;
         wr.imm_data = self.imm.map_or(0, u32::to_be);
@@ -250,15 +252,6 @@ impl SendRequest {
         }
     }
 
-    /// Length of the remote window of WRITE/READ/atomics.
-    pub(super) fn remote_len(&self) -> Option<u64> {
-        match &self.op {
-            Op::Write(r) | Op::Read(r) => Some(r.len),
-            Op::CompareSwap { remote, .. } | Op::FetchAdd { remote, .. } => Some(remote.len),
-            _ => None,
-        }
-    }
-
     #[inline]
     fn ah(&self) -> Option<AddressHandle> {
         match &self.op {
@@ -284,6 +277,41 @@ fn check_bufs(bufs: &SgList, flags: u32, pd: *const PdInner) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// A full send queue: the request back.
+#[cold]
+#[inline(never)]
+fn queue_full(depth: usize, request: SendRequest) -> PostError<SendRequest> {
+    PostError {
+        error: Error::QueueFull {
+            queue: "send queue",
+            depth,
+        },
+        request,
+    }
+}
+
+/// The provider refused the work request in slot `id`: its buffers go back into the
+/// request, which is handed back whole.
+#[cold]
+#[inline(never)]
+fn refused(
+    core: &super::QpCore,
+    id: u64,
+    rc: i32,
+    mut request: SendRequest,
+) -> PostError<SendRequest> {
+    if let Some(mut d) = core.sq.unfill(id) {
+        request.bufs.move_into_empty(&mut d.bufs);
+    }
+    PostError {
+        error: Error::PostSend {
+            qpn: core.qpn,
+            source: rc_error(rc),
+        },
+        request,
+    }
 }
 
 /// The kind of a send work request, as far as the host-side checks care.
@@ -487,110 +515,65 @@ impl<T: Transport> QueuePair<T> {
     /// buffers, misaligned atomic, inline too large), [`Error::OutOfBounds`] (local
     /// buffers longer than the remote window), [`Error::PostSend`].
     #[inline]
-    pub fn post_send(&mut self, req: SendRequest) -> Result<(), PostError<SendRequest>> {
-        let mut sges = [ibv_sge::default(); MAX_SGE];
+    pub fn post_send(&mut self, mut req: SendRequest) -> Result<(), PostError<SendRequest>> {
+        let mut sges: Sges = [const { MaybeUninit::uninit() }; MAX_SGE];
         let mut wr = blank_wr();
-        if let Err(error) = req.encode::<T, false>(
-            self.core.max_send_sge,
-            self.core.max_inline,
-            Arc::as_ptr(&self.core.pd.inner),
-            &mut wr,
-            &mut sges,
-        ) {
+        let core = &mut self.core;
+        let pd = Arc::as_ptr(&core.pd.inner);
+        if let Err(error) =
+            req.encode::<T, false>(core.max_send_sge, core.max_inline, pd, &mut wr, &mut sges)
+        {
             return Err(PostError {
                 error,
                 request: req,
             });
         }
-        let ah = req.ah();
-        let SendRequest {
-            op,
-            bufs,
-            wr_id,
-            imm,
-            flags,
-        } = req;
-        let core = &mut self.core;
-        let id = match core.sq.fill(
-            &mut core.sq_head,
-            SlotData {
-                bufs,
-                user: wr_id,
-                _ah: ah,
-                scoped: false,
-            },
-        ) {
-            Ok(id) => id,
-            Err(d) => {
-                return Err(PostError {
-                    error: Error::QueueFull {
-                        queue: "send queue",
-                        depth: core.sq.depth(),
-                    },
-                    request: SendRequest {
-                        op,
-                        bufs: d.bufs,
-                        wr_id,
-                        imm,
-                        flags,
-                    },
-                })
-            }
-        };
-        if flags & sys::IBV_SEND_INLINE != 0 || crate::pd::several() {
-            let pd = Arc::as_ptr(&core.pd.inner);
-            if let Err(error) = core.sq.check_filled(id, |d| check_bufs(&d.bufs, flags, pd)) {
-                let d = core.sq.unfill(id).expect("slot we just filled");
+        // The checks of the buffers themselves, only where they can matter.
+        if req.flags & sys::IBV_SEND_INLINE != 0 || crate::pd::several() {
+            if let Err(error) = check_bufs(&req.bufs, req.flags, pd) {
                 return Err(PostError {
                     error,
-                    request: SendRequest {
-                        op,
-                        bufs: d.bufs,
-                        wr_id,
-                        imm,
-                        flags,
-                    },
+                    request: req,
                 });
             }
         }
+        let Some(slot) = core.sq.free_at(core.sq_head) else {
+            return Err(queue_full(core.sq.depth(), req));
+        };
+        // The request keeps everything but its buffers, which the slot owns from here on
+        // (until the completion, or the provider's refusal, hands them back).
+        let (user, ah) = (req.wr_id, req.ah());
+        let id = slot.post(&mut req.bufs, user, ah, false);
         wr.wr_id = id;
         let mut bad = std::ptr::null_mut();
         // SAFETY: the QP is live; `wr` and `sges` are valid for the call; every SGE names a
         // live registration kept alive by the slot until the completion or QP destruction.
         let rc = unsafe { ops::post_send(core.qp, &mut wr, &mut bad) };
         if rc != 0 {
-            let d = core.sq.unfill(id).expect("slot we just filled");
-            return Err(PostError {
-                error: Error::PostSend {
-                    qpn: core.qpn,
-                    source: rc_error(rc),
-                },
-                request: SendRequest {
-                    op,
-                    bufs: d.bufs,
-                    wr_id,
-                    imm,
-                    flags,
-                },
-            });
+            return Err(refused(core, id, rc, req));
         }
-        core.sq.advance(&mut core.sq_head);
+        WorkQueue::advance_past(&mut core.sq_head, slot);
         Ok(())
     }
 
     /// Posts every request of `batch` with a single `ibv_post_send`, returning how many
     /// were posted (the batch is then empty).
     ///
+    /// One doorbell for up to [`MAX_BATCH`] work requests; with [`SendRequest::unsignaled`]
+    /// on all but the last, one completion for all of them (selective signalling: the
+    /// buffers of the unsignalled ones are released when that completion is polled).
+    ///
     /// # Errors
     /// If a request is invalid or the provider rejects one, the requests from that one on
-    /// stay in `batch` (those before it were posted) and the error is returned.
+    /// stay in `batch` exactly as they were pushed (operation, flags, id and buffers; those
+    /// before it were posted) and the error is returned.
     pub fn post_batch(&mut self, batch: &mut SendBatch) -> Result<usize> {
         let n = batch.len;
         if n == 0 {
             return Ok(0);
         }
         let mut wrs = [MaybeUninit::<ibv_send_wr>::uninit(); MAX_BATCH];
-        let mut sges = [[ibv_sge::default(); MAX_SGE]; MAX_BATCH];
+        let mut sges: [Sges; MAX_BATCH] = [[const { MaybeUninit::uninit() }; MAX_SGE]; MAX_BATCH];
         let mut ids = [0u64; MAX_BATCH];
         let core = &mut self.core;
         let pd = Arc::as_ptr(&core.pd.inner);
@@ -599,7 +582,7 @@ impl<T: Transport> QueuePair<T> {
         let mut cursor = core.sq_head;
         for i in 0..n {
             let req = batch.reqs[i]
-                .as_ref()
+                .as_mut()
                 .expect("batch entries below len are Some");
             let mut wr = blank_wr();
             if let Err(e) = req.encode::<T, true>(
@@ -612,45 +595,20 @@ impl<T: Transport> QueuePair<T> {
                 err = Some(e);
                 break;
             }
+            let Some(slot) = core.sq.free_at(cursor) else {
+                err = Some(Error::QueueFull {
+                    queue: "send queue",
+                    depth: core.sq.depth(),
+                });
+                break;
+            };
+            // The request stays in the batch without its buffers until it is posted (or
+            // gets them back, refused).
+            let (user, ah) = (req.wr_id, req.ah());
+            ids[i] = slot.post(&mut req.bufs, user, ah, false);
+            core.sq.advance(&mut cursor);
             wrs[i].write(wr);
-            let req = batch.reqs[i].take().expect("checked above");
-            let ah = req.ah();
-            let SendRequest {
-                op,
-                bufs,
-                wr_id,
-                imm,
-                flags,
-            } = req;
-            match core.sq.fill(
-                &mut cursor,
-                SlotData {
-                    bufs,
-                    user: wr_id,
-                    _ah: ah,
-                    scoped: false,
-                },
-            ) {
-                Ok(id) => {
-                    ids[i] = id;
-                    core.sq.advance(&mut cursor);
-                    filled += 1;
-                }
-                Err(d) => {
-                    batch.reqs[i] = Some(SendRequest {
-                        op,
-                        bufs: d.bufs,
-                        wr_id,
-                        imm,
-                        flags,
-                    });
-                    err = Some(Error::QueueFull {
-                        queue: "send queue",
-                        depth: core.sq.depth(),
-                    });
-                    break;
-                }
-            }
+            filled += 1;
         }
         // Chain what was filled. Every pointer into `wrs` comes from one base pointer, and
         // `wrs` is not touched through references after this, so the chain stays valid.
@@ -665,7 +623,7 @@ impl<T: Transport> QueuePair<T> {
             // SAFETY: entries below `filled` were written above; reached through `base`.
             let w = unsafe { &mut *base.add(i) };
             w.wr_id = ids[i];
-            w.sg_list = sges[i].as_mut_ptr();
+            w.sg_list = sges[i].as_mut_ptr().cast();
             w.next = next;
         }
         let mut posted = filled;
@@ -685,10 +643,10 @@ impl<T: Transport> QueuePair<T> {
                     .unwrap_or(filled);
                 posted = first_bad;
                 for (i, &id) in ids.iter().enumerate().take(filled).skip(first_bad) {
-                    if let Some(d) = core.sq.unfill(id) {
-                        // The op details were consumed; rebuild is not possible, so the
-                        // request comes back as a plain SEND of its buffers.
-                        batch.reqs[i] = Some(SendRequest::send(d.bufs).wr_id(d.user));
+                    if let Some(mut d) = core.sq.unfill(id) {
+                        // The request, still in the batch, gets its buffers back whole.
+                        let req = batch.reqs[i].as_mut().expect("filled entries are Some");
+                        req.bufs.move_into_empty(&mut d.bufs);
                     }
                 }
                 err = Some(Error::PostSend {
@@ -699,6 +657,10 @@ impl<T: Transport> QueuePair<T> {
         }
         for _ in 0..posted {
             core.sq.advance(&mut core.sq_head);
+        }
+        // The posted requests leave the batch (their buffers are in their slots).
+        for r in &mut batch.reqs[..posted] {
+            *r = None;
         }
         // Compact the unposted remainder to the front.
         let mut w = 0;
@@ -895,7 +857,7 @@ mod tests {
     fn requests_are_validated_per_transport_before_posting() {
         use crate::qp::{Rc, Uc, Ud};
         let mut wr = blank_wr();
-        let mut sges = [ibv_sge::default(); MAX_SGE];
+        let mut sges: Sges = [const { MaybeUninit::uninit() }; MAX_SGE];
         let remote = RemoteMemory {
             addr: 0x1000,
             len: 64,

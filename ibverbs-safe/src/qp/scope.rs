@@ -2,12 +2,12 @@
 //! scope does not end before every work request posted in it has completed.
 #![allow(unsafe_code)]
 
-use super::request::SendRequest;
+use super::request::{OpClass, SendShape};
 use super::{QueuePair, Transport};
 use crate::buffer::RegionBuffer;
 use crate::cq::{Completion, CompletionQueue};
 use crate::error::{rc_error, Error, Result};
-use crate::inflight::{SgList, SlotData, MAX_SGE};
+use crate::inflight::WorkQueue;
 use crate::mr::{AccessMode, Local, MemoryRegion, RemoteMemory};
 use crate::result::ops;
 use crate::sys::{self, ibv_qp_attr, ibv_send_wr, ibv_sge};
@@ -89,48 +89,59 @@ impl<T: Transport> QueuePair<T> {
 }
 
 impl<'scope, 'env, T: Transport> Scope<'scope, 'env, T> {
-    #[inline]
+    /// Posts one signalled work request of `class` with the single SGE `sge` (a range of a
+    /// borrowed region of PD `mr_pd`), to `remote` for WRITE/READ. The checks are those of
+    /// [`SendShape::check`] (for one buffer, no immediate data, not inline), and the region
+    /// must be of the QP's PD.
+    #[inline(always)]
     fn post(
         &mut self,
-        req: SendRequest,
+        class: OpClass,
         sge: ibv_sge,
+        remote: Option<RemoteMemory>,
         mr_pd: *const crate::pd::PdInner,
         wr_id: u64,
     ) -> Result<()> {
         let core = &mut self.qp.core;
-        let mut sges = [ibv_sge::default(); MAX_SGE];
-        let mut wr = super::request::blank_wr();
-        let pd = std::sync::Arc::as_ptr(&core.pd.inner);
-        req.encode::<T, false>(core.max_send_sge, core.max_inline, pd, &mut wr, &mut sges)?;
-        if !std::ptr::eq(pd, mr_pd) {
+        SendShape {
+            qpt: T::QPT,
+            class,
+            imm: false,
+            inline: false,
+            nbufs: 1,
+            total: sge.length as u64,
+            first: Some((sge.addr, sge.length as u64)),
+            remote: remote.map(|r| (r.addr, r.len)),
+        }
+        .check(core.max_send_sge, core.max_inline)?;
+        if !std::ptr::eq(std::sync::Arc::as_ptr(&core.pd.inner), mr_pd) {
             return Err(Error::ForeignObject("the borrowed region"));
         }
-        if let Some(r) = req.remote_len() {
-            if sge.length as u64 > r {
-                return Err(Error::OutOfBounds {
-                    offset: 0,
-                    len: sge.length as usize,
-                    region_len: r as usize,
-                });
-            }
-        }
-        let mut sge = sge;
-        wr.sg_list = &mut sge;
-        wr.num_sge = 1;
-        wr.send_flags |= sys::IBV_SEND_SIGNALED; // every scoped WR must report back
-        let data = SlotData {
-            bufs: SgList::new(),
-            user: wr_id,
-            _ah: None,
-            scoped: true,
-        };
-        let id = core
-            .sq
-            .fill(&mut core.sq_head, data)
-            .map_err(|_| Error::QueueFull {
+        let Some(slot) = core.sq.free_at(core.sq_head) else {
+            return Err(Error::QueueFull {
                 queue: "send queue",
                 depth: core.sq.depth(),
-            })?;
+            });
+        };
+        let mut sge = sge;
+        let mut wr = super::request::blank_wr();
+        wr.sg_list = &mut sge;
+        wr.num_sge = 1;
+        wr.send_flags = sys::IBV_SEND_SIGNALED; // every scoped WR must report back
+        wr.opcode = match class {
+            OpClass::Write => sys::IBV_WR_RDMA_WRITE,
+            OpClass::Read => sys::IBV_WR_RDMA_READ,
+            _ => sys::IBV_WR_SEND,
+        };
+        if let Some(r) = remote {
+            wr.wr.rdma = sys::ibv_send_wr_rdma {
+                remote_addr: r.addr,
+                rkey: r.rkey,
+            };
+        }
+        // No buffers to hold: the scope's borrows keep the memory, and the scope does not
+        // end before the completion.
+        let id = slot.post_borrowed(wr_id);
         wr.wr_id = id;
         let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
         // SAFETY: the QP is live; `wr`/`sge` are valid for the call; the SGE names memory of
@@ -143,7 +154,7 @@ impl<'scope, 'env, T: Transport> Scope<'scope, 'env, T> {
                 source: rc_error(rc),
             });
         }
-        core.sq.advance(&mut core.sq_head);
+        WorkQueue::advance_past(&mut core.sq_head, slot);
         self.outstanding += 1;
         Ok(())
     }
@@ -152,7 +163,7 @@ impl<'scope, 'env, T: Transport> Scope<'scope, 'env, T> {
     ///
     /// # Errors
     /// As [`QueuePair::post_send`] (nothing is posted on error).
-    #[inline]
+    #[inline(always)]
     pub fn send<B: RegionBuffer, A: AccessMode>(
         &mut self,
         mr: &'env MemoryRegion<B, A>,
@@ -160,14 +171,14 @@ impl<'scope, 'env, T: Transport> Scope<'scope, 'env, T> {
         wr_id: u64,
     ) -> Result<()> {
         let sge = mr.sge_of(range)?;
-        self.post(SendRequest::send(SgList::new()), sge, mr.pd_ptr(), wr_id)
+        self.post(OpClass::Send, sge, None, mr.pd_ptr(), wr_id)
     }
 
     /// RDMA WRITE `range` of a borrowed region to `remote`.
     ///
     /// # Errors
     /// As [`QueuePair::post_send`].
-    #[inline]
+    #[inline(always)]
     pub fn write<B: RegionBuffer, A: AccessMode>(
         &mut self,
         mr: &'env MemoryRegion<B, A>,
@@ -176,19 +187,14 @@ impl<'scope, 'env, T: Transport> Scope<'scope, 'env, T> {
         wr_id: u64,
     ) -> Result<()> {
         let sge = mr.sge_of(range)?;
-        self.post(
-            SendRequest::write(SgList::new(), remote),
-            sge,
-            mr.pd_ptr(),
-            wr_id,
-        )
+        self.post(OpClass::Write, sge, Some(remote), mr.pd_ptr(), wr_id)
     }
 
     /// RDMA READ `remote` into `range` of an exclusively borrowed local region.
     ///
     /// # Errors
     /// As [`QueuePair::post_send`].
-    #[inline]
+    #[inline(always)]
     pub fn read<B: RegionBuffer>(
         &mut self,
         mr: &'env mut MemoryRegion<B, Local>,
@@ -197,12 +203,7 @@ impl<'scope, 'env, T: Transport> Scope<'scope, 'env, T> {
         wr_id: u64,
     ) -> Result<()> {
         let sge = mr.sge_of(range)?;
-        self.post(
-            SendRequest::read(SgList::new(), remote),
-            sge,
-            mr.pd_ptr(),
-            wr_id,
-        )
+        self.post(OpClass::Read, sge, Some(remote), mr.pd_ptr(), wr_id)
     }
 
     /// Work requests of this scope not completed yet.
@@ -215,7 +216,7 @@ impl<'scope, 'env, T: Transport> Scope<'scope, 'env, T> {
     ///
     /// # Errors
     /// [`Error::PollCq`].
-    #[inline]
+    #[inline(always)]
     pub fn poll(&mut self, out: &mut [Completion]) -> Result<usize> {
         let n = self.cq.poll(out)?;
         for c in &out[..n] {
@@ -224,7 +225,7 @@ impl<'scope, 'env, T: Transport> Scope<'scope, 'env, T> {
         Ok(n)
     }
 
-    #[inline]
+    #[inline(always)]
     fn count(&mut self, c: &Completion) -> bool {
         if c.scoped && c.qp_num() == self.qp.core.qpn {
             self.outstanding -= 1;
