@@ -501,10 +501,12 @@ struct Bufs<'a> {
     bytes: usize,
 }
 
-/// Sends `out_src[..bytes]` to `partner` while receiving as many bytes into `tmp`.
+/// Sends `src[..bytes]` to rank `to` while receiving as many bytes from rank `from` into
+/// `tmp` (the receive is posted first).
 fn exchange(
     comm: &mut Comm,
-    partner: usize,
+    to: usize,
+    from: usize,
     src: &fabric_core::Region,
     tmp: &fabric_core::Region,
     bytes: usize,
@@ -516,18 +518,18 @@ fn exchange(
     let mut idle = Idle::new();
     while !(sent && got) {
         if let Some(b) = pending_recv.take() {
-            if let Posted::Full(b) = comm.recv(partner, b, RECV)? {
+            if let Posted::Full(b) = comm.recv(from, b, RECV)? {
                 pending_recv = Some(b);
             }
         }
         if let Some(b) = pending_send.take() {
-            if let Posted::Full(b) = comm.send(partner, b, 0)? {
+            if let Posted::Full(b) = comm.send(to, b, 0)? {
                 pending_send = Some(b);
             }
         }
         done.clear();
         if comm.poll(&mut done)? == 0 {
-            idle.wait(comm, partner)?;
+            idle.wait(comm, from)?;
             continue;
         }
         idle.progress();
@@ -535,7 +537,7 @@ fn exchange(
             if d.wr_id & RECV != 0 {
                 if d.len != bytes {
                     return Err(
-                        format!("rank {partner} sent {} bytes, expected {bytes}", d.len).into(),
+                        format!("rank {from} sent {} bytes, expected {bytes}", d.len).into(),
                     );
                 }
                 got = true;
@@ -616,7 +618,7 @@ fn allreduce_rd(comm: &mut Comm, b: &Bufs<'_>) -> Res<()> {
             let pn = newrank ^ mask;
             let partner = if pn < rem { pn * 2 + 1 } else { pn + rem };
             let src = if have_out { b.out } else { b.send };
-            exchange(comm, partner, src, b.tmp, bytes)?;
+            exchange(comm, partner, partner, src, b.tmp, bytes)?;
             let t = b.tmp.bytes()?;
             sum_to(&mut blk, b.out, 0, src, 0, &t[..bytes])?;
             have_out = true;
@@ -1114,42 +1116,9 @@ fn exchange_keys(comm: &mut Comm, out: &fabric_core::Region) -> Res<RemoteKey> {
     mine.write_at(0, &key.pack())?;
     let theirs = d.register(RemoteKey::PACKED_LEN, Access::empty())?;
     let (left, right) = ((r + n - 1) % n, (r + 1) % n);
-    if left == right {
-        exchange(comm, right, &mine, &theirs, RemoteKey::PACKED_LEN)?;
-    } else {
-        // Send left, receive from right, in rank order so that nobody waits in a cycle:
-        // the receive is posted before the send.
-        let mut rbuf = Some(theirs.slice(0, RemoteKey::PACKED_LEN)?);
-        let mut sbuf = Some(mine.slice(0, RemoteKey::PACKED_LEN)?);
-        let (mut got, mut sent) = (false, false);
-        let mut done = Vec::new();
-        let mut idle = Idle::new();
-        while !(got && sent) {
-            if let Some(x) = rbuf.take() {
-                if let Posted::Full(x) = comm.recv(right, x, RECV)? {
-                    rbuf = Some(x);
-                }
-            }
-            if let Some(x) = sbuf.take() {
-                if let Posted::Full(x) = comm.send(left, x, 0)? {
-                    sbuf = Some(x);
-                }
-            }
-            done.clear();
-            if comm.poll(&mut done)? == 0 {
-                idle.wait(comm, right)?;
-                continue;
-            }
-            idle.progress();
-            for x in &done {
-                if x.wr_id & RECV != 0 {
-                    got = true;
-                } else {
-                    sent = true;
-                }
-            }
-        }
-    }
+    // Send left, receive from right (the receive is posted before the send, so nobody
+    // waits in a cycle).
+    exchange(comm, left, right, &mine, &theirs, RemoteKey::PACKED_LEN)?;
     let mut k = [0u8; RemoteKey::PACKED_LEN];
     theirs.read_at(0, &mut k)?;
     Ok(RemoteKey::decode(&k)?)
