@@ -71,6 +71,14 @@
 //!   [`Worker::poll`] serves them all and yields [`Event`]s naming their [`EndpointId`], and
 //!   one epoll fd ([`Worker::wait_fd`], [`Worker::arm`], [`Worker::wait`]) wakes the caller.
 //!   Idle endpoints are parked on that fd and cost `poll` nothing (see [`worker`]).
+//! * **Async (feature `tokio`, off by default).** `async_worker::AsyncWorker` puts a
+//!   worker's fd in tokio's reactor (`AsyncFd`) and makes every operation a future that
+//!   resolves to its completion and hands the buffer back (`(Result<Done>, Buf)`, the
+//!   owned-buffer style of tokio-uring). Clones serve several tasks at once (one per peer)
+//!   without a lock of the caller's; dropping a future never frees memory an operation may
+//!   still touch (the operation runs on; its buffer is dropped at its completion); a
+//!   completion between a poll and the arm is never lost. Without the feature tokio is not
+//!   built. See the `async_worker` module (documented when the feature is on).
 //! * **Validation once.** [`tracker::Tracker`] is the I/O-free core every backend shares:
 //!   ownership, bounds, access and size checks, a pre-allocated in-flight slot table with
 //!   generation-checked tokens (safe to send to a peer and get back), bounded queues, and
@@ -95,6 +103,8 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+#[cfg(all(not(fabric_loom), feature = "tokio"))]
+pub mod async_worker;
 #[cfg(not(fabric_loom))]
 pub mod domain;
 mod error;
