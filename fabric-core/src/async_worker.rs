@@ -345,7 +345,9 @@ impl Shared {
                 other => *slot = other,
             }
         }
-        self.stats.completions.fetch_add(n as u64, Ordering::Relaxed);
+        self.stats
+            .completions
+            .fetch_add(n as u64, Ordering::Relaxed);
         Ok(n)
     }
 
@@ -707,7 +709,9 @@ impl AsyncWorker {
 
     /// Writes `buf` into the peer's region at `remote_offset` ([`Transport::post_write`]).
     pub fn write(&self, ep: EndpointId, buf: Buf, remote: &RemoteKey, remote_offset: u64) -> Op {
-        self.submit(ep, buf, |c, b, id| c.post_write(b, remote, remote_offset, id))
+        self.submit(ep, buf, |c, b, id| {
+            c.post_write(b, remote, remote_offset, id)
+        })
     }
 
     /// Writes `buf` and notifies the peer with `imm` ([`Transport::post_write_imm`]).
@@ -726,7 +730,9 @@ impl AsyncWorker {
 
     /// Reads the peer's region at `remote_offset` into `buf` ([`Transport::post_read`]).
     pub fn read(&self, ep: EndpointId, buf: Buf, remote: &RemoteKey, remote_offset: u64) -> Op {
-        self.submit(ep, buf, |c, b, id| c.post_read(b, remote, remote_offset, id))
+        self.submit(ep, buf, |c, b, id| {
+            c.post_read(b, remote, remote_offset, id)
+        })
     }
 
     /// A remote atomic on the peer's word at `remote_offset`; the old value comes back in
