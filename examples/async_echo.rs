@@ -1,0 +1,448 @@
+//! An echo server on fabric-core's async worker (tokio): many concurrent clients, one task
+//! per client; a client that measures round trips; and, with no arguments, a self-contained
+//! run that compares the async round trip with the blocking ping-pong's on the same
+//! transport.
+//!
+//! ```text
+//! cargo run --release --example async_echo                        # spawns its peers; shm
+//! cargo run --release --example async_echo -- --transport tcp     # same over loopback TCP
+//! cargo run --release --example async_echo -- --transport verbs   # RDMA (Soft-RoCE guest)
+//! cargo run --release --example async_echo -- --server            # prints its address
+//! cargo run --release --example async_echo -- --connect ADDRESS   # clients of that server
+//! ```
+//!
+//! The no-argument run has two parts:
+//!
+//! 1. **Latency**: a spawned peer process connects twice. Over the first connection both
+//!    sides ping-pong the blocking way (post, busy-poll the connection); over the second both
+//!    sides use an `AsyncWorker` (post, `.await`). Same message size, same count; the
+//!    round trips and their ratio are printed (issue 15 asks for async ≤ 1.2 × blocking on
+//!    shm).
+//! 2. **Concurrency**: this process serves (one task per client, one shared worker, no lock
+//!    of ours) while a spawned client process runs `--clients` tasks, one connection each,
+//!    each echoing `--rounds` messages of 8 to 4000 bytes and checking every byte.
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use fabric_core::async_worker::AsyncWorker;
+use fabric_core::backend::{self, Options};
+use fabric_core::{Access, Completion, Domain, OpKind, Transport, TransportKind};
+
+const SLOT: usize = 4096;
+const MAX_MSG: usize = 4000;
+const DEADLINE: Duration = Duration::from_secs(60);
+
+type Res<T> = Result<T, Box<dyn std::error::Error>>;
+
+#[derive(Parser, Debug)]
+#[command(
+    about = "Async echo server / client over fabric-core (tokio), with a blocking comparison"
+)]
+struct Args {
+    /// Transport: shm (default), tcp or verbs.
+    #[arg(long, default_value = "shm")]
+    transport: TransportKind,
+    /// Serve clients for ever (prints the address to connect to).
+    #[arg(long, conflicts_with = "connect")]
+    server: bool,
+    /// Run the clients against the server at ADDRESS (as printed by `--server`).
+    #[arg(long, value_name = "ADDRESS")]
+    connect: Option<String>,
+    /// Concurrent clients (one task and one connection each).
+    #[arg(long, default_value_t = 8)]
+    clients: usize,
+    /// Echoes per client (8..4000 bytes, every byte checked).
+    #[arg(long, default_value_t = 1000)]
+    rounds: usize,
+    /// Round trips of the latency comparison (after 10 % warm-up).
+    #[arg(long, default_value_t = 20000)]
+    iters: usize,
+    /// Message size of the latency comparison.
+    #[arg(long, default_value_t = 8)]
+    size: usize,
+    /// Internal: the spawned peer of the latency comparison, connecting to ADDRESS.
+    #[arg(long, hide = true, value_name = "ADDRESS")]
+    latency_peer: Option<String>,
+}
+
+fn main() {
+    let args = Args::parse();
+    let r = if let Some(addr) = &args.latency_peer {
+        latency_peer(&args, addr)
+    } else if let Some(addr) = &args.connect {
+        clients(&args, addr).map(|_| ())
+    } else if args.server {
+        serve(&args, None)
+    } else {
+        self_contained(&args)
+    };
+    if let Err(e) = r {
+        eprintln!("async_echo: error: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn open(kind: TransportKind) -> Res<Domain> {
+    Ok(Domain::open(kind, &Options::default())?)
+}
+
+fn runtime() -> Res<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?)
+}
+
+/// A child of this program with `extra` arguments (stdout inherited).
+fn spawn(args: &Args, extra: &[String]) -> Res<Child> {
+    let mut cmd = Command::new(std::env::current_exe()?);
+    cmd.arg("--transport")
+        .arg(args.transport.name())
+        .args(["--iters", &args.iters.to_string()])
+        .args(["--size", &args.size.to_string()])
+        .args(["--clients", &args.clients.to_string()])
+        .args(["--rounds", &args.rounds.to_string()])
+        .args(extra)
+        .stdin(Stdio::null());
+    Ok(cmd.spawn()?)
+}
+
+fn reap(mut child: Child, what: &str) -> Res<()> {
+    let st = child.wait()?;
+    if !st.success() {
+        return Err(format!("{what} exited with {st}").into());
+    }
+    Ok(())
+}
+
+fn self_contained(args: &Args) -> Res<()> {
+    if args.size == 0 || args.size > MAX_MSG {
+        return Err(format!("--size must be 1..={MAX_MSG}").into());
+    }
+    let domain = open(args.transport)?;
+    // 1. latency: blocking vs async, against a spawned peer
+    let mut listener = domain.listen()?;
+    let child = spawn(
+        args,
+        &["--latency-peer".into(), listener.address().to_owned()],
+    )?;
+    let blocking_conn = backend::accept_timeout(listener.as_mut(), DEADLINE)?;
+    let async_conn = backend::accept_timeout(listener.as_mut(), DEADLINE)?;
+    let blocking = blocking_pings(blocking_conn, args)?;
+    let rt = runtime()?;
+    let asynch = rt.block_on(async_pings(async_conn, args))?;
+    reap(child, "the latency peer")?;
+    println!(
+        "async_echo: transport {}, {} B, {} round trips each (after {} warm-up)",
+        args.transport,
+        args.size,
+        args.iters,
+        args.iters / 10
+    );
+    println!("  blocking ping-pong round trip: {:9.2} us", blocking * 1e6);
+    println!("  async (.await) round trip:     {:9.2} us", asynch * 1e6);
+    println!(
+        "  ratio async / blocking:        {:9.2}   (issue 15 asks <= 1.2 on shm)",
+        asynch / blocking
+    );
+    // 2. many concurrent clients against our server
+    drop(listener);
+    serve(args, Some(args.clients))
+}
+
+/// Serves clients, one task each; with `expect`, spawns a client process of `expect`
+/// clients and returns when they are done.
+fn serve(args: &Args, expect: Option<usize>) -> Res<()> {
+    let domain = open(args.transport)?;
+    let mut listener = domain.listen()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let child = match expect {
+        Some(_) => Some(spawn(
+            args,
+            &["--connect".into(), listener.address().to_owned()],
+        )?),
+        None => {
+            println!("async_echo: serving at {}", listener.address());
+            None
+        }
+    };
+    let t0 = Instant::now();
+    let (served, stats) = rt.block_on(async {
+        let w = AsyncWorker::new(&domain)?;
+        let rx = domain.register(256 * SLOT, Access::empty())?;
+        let mut tasks = Vec::new();
+        let mut accepted = 0usize;
+        while expect.map_or(true, |n| accepted < n) {
+            let ep = w.accept(listener.as_mut()).await?;
+            accepted += 1;
+            let slot = ep.index();
+            if slot >= 256 {
+                eprintln!("async_echo: more than 256 clients at once; refusing {ep}");
+                drop(w.remove(ep));
+                continue;
+            }
+            let (w, mut buf) = (w.clone(), rx.slice(slot * SLOT, SLOT)?);
+            // one task per client: receive, echo the same bytes, until a 1-byte goodbye
+            // or the client goes away
+            tasks.push(tokio::spawn(async move {
+                let mut echoed = 0usize;
+                loop {
+                    let (r, mut b) = w.recv(ep, buf).await;
+                    let done = match r {
+                        Ok(d) if d.len > 1 => d,
+                        _ => break,
+                    };
+                    if b.set_len(done.len).is_err() {
+                        break;
+                    }
+                    let (r, mut b) = w.send(ep, b).await;
+                    if r.is_err() || b.set_len(SLOT).is_err() {
+                        break;
+                    }
+                    buf = b;
+                    echoed += 1;
+                }
+                drop(w.remove(ep));
+                echoed
+            }));
+        }
+        let mut served = 0;
+        for t in tasks {
+            served += t.await.unwrap_or(0);
+        }
+        Ok::<_, Box<dyn std::error::Error>>((served, w.stats()))
+    })?;
+    if let Some(child) = child {
+        reap(child, "the client process")?;
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    println!(
+        "  server: {served} echoes for {} concurrent clients in {secs:.2} s ({:.0} echoes/s); \
+         driver: {} sleeps, {} arms ({} found work), {} completions",
+        expect.unwrap_or(0),
+        served as f64 / secs,
+        stats.sleeps,
+        stats.arms,
+        stats.arm_found_work,
+        stats.completions
+    );
+    Ok(())
+}
+
+/// Message `round` of client `i`: its index and round, then a pattern.
+fn message(i: usize, round: usize) -> Vec<u8> {
+    let len = 8 + (i * 131 + round * 977) % (MAX_MSG - 8);
+    let mut m = Vec::with_capacity(len);
+    m.extend_from_slice(&(i as u32).to_le_bytes());
+    m.extend_from_slice(&(round as u32).to_le_bytes());
+    m.extend((8..len).map(|k| (k as u8).wrapping_mul(7) ^ (i as u8) ^ (round as u8)));
+    m
+}
+
+/// `--clients` tasks against the server at `addr`, one connection each; returns the mean
+/// round trip.
+fn clients(args: &Args, addr: &str) -> Res<f64> {
+    let domain = open(args.transport)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let (n, rounds) = (args.clients, args.rounds);
+    let total: Duration = rt.block_on(async {
+        let w = AsyncWorker::new(&domain)?;
+        let region = domain.register(n * 2 * SLOT, Access::empty())?;
+        let mut tasks = Vec::new();
+        for i in 0..n {
+            let (w, region, addr) = (w.clone(), region.clone(), addr.to_owned());
+            tasks.push(tokio::spawn(async move {
+                let ep = w.connect(&addr, DEADLINE).await?;
+                let mut tx = region.slice(2 * i * SLOT, SLOT)?;
+                let mut rx = region.slice((2 * i + 1) * SLOT, SLOT)?;
+                let mut got = vec![0u8; SLOT];
+                let t0 = Instant::now();
+                for round in 0..rounds {
+                    let m = message(i, round);
+                    tx.set_len(m.len())?;
+                    tx.copy_from(&m)?;
+                    let recv = w.recv(ep, rx); // posted before the send
+                    let (r, t) = w.send(ep, tx).await;
+                    r?;
+                    let (r, b) = recv.await;
+                    let d = r?;
+                    b.copy_to(&mut got[..d.len])?;
+                    if got[..d.len] != m[..] {
+                        return Err(format!("client {i} round {round}: wrong echo").into());
+                    }
+                    (tx, rx) = (t, b);
+                }
+                let spent = t0.elapsed();
+                tx.set_len(1)?;
+                let (r, _) = w.send(ep, tx).await; // goodbye
+                r?;
+                drop(rx);
+                Ok::<_, Box<dyn std::error::Error + Send + Sync>>(spent)
+            }));
+        }
+        let mut total = Duration::ZERO;
+        for t in tasks {
+            total += t.await?.map_err(|e| e.to_string())?;
+        }
+        Ok::<_, Box<dyn std::error::Error>>(total)
+    })?;
+    let mean = total.as_secs_f64() / (n * rounds).max(1) as f64;
+    println!(
+        "  clients: {n} concurrent tasks x {rounds} echoes of 8..{MAX_MSG} B, every byte \
+         checked: mean round trip {:.2} us per client",
+        mean * 1e6
+    );
+    Ok(mean)
+}
+
+// ---------------------------------------------------------------------------------------
+// the latency comparison
+
+fn poll_one(t: &mut dyn Transport, out: &mut [Completion]) -> Res<Completion> {
+    let end = Instant::now() + DEADLINE;
+    loop {
+        if t.poll(&mut out[..1])? == 1 {
+            let c = std::mem::take(&mut out[0]);
+            if !c.status.is_ok() {
+                return Err(format!("{:?} failed: {:?}", c.op, c.status).into());
+            }
+            return Ok(c);
+        }
+        if Instant::now() > end {
+            return Err("no completion within 60 s".into());
+        }
+        std::hint::spin_loop();
+    }
+}
+
+/// The blocking side: post a receive and a send, busy-poll both; returns the mean round
+/// trip in seconds.
+fn blocking_pings(mut t: Box<dyn Transport>, args: &Args) -> Res<f64> {
+    let r = t.domain().register(2 * SLOT, Access::empty())?;
+    let (mut tx, mut rx) = (Some(r.slice(0, args.size)?), Some(r.slice(SLOT, SLOT)?));
+    tx.as_ref().ok_or("tx")?.copy_from(&vec![7u8; args.size])?;
+    let mut out: Vec<Completion> = (0..1).map(|_| Completion::default()).collect();
+    let warm = args.iters / 10;
+    let mut t0 = Instant::now();
+    for i in 0..warm + args.iters {
+        if i == warm {
+            t0 = Instant::now();
+        }
+        t.post_recv(rx.take().ok_or("rx")?, 0)
+            .map_err(|e| e.error)?;
+        t.post_send(tx.take().ok_or("tx")?, 1)
+            .map_err(|e| e.error)?;
+        for _ in 0..2 {
+            let c = poll_one(t.as_mut(), &mut out)?;
+            match c.op {
+                OpKind::Recv => rx = c.buf,
+                _ => tx = c.buf,
+            }
+        }
+    }
+    Ok(t0.elapsed().as_secs_f64() / args.iters.max(1) as f64)
+}
+
+/// The async side over its own connection.
+async fn async_pings(t: Box<dyn Transport>, args: &Args) -> Res<f64> {
+    let domain = t.domain().clone();
+    let w = AsyncWorker::new(&domain)?;
+    let ep = w.add(t)?;
+    let r = domain.register(2 * SLOT, Access::empty())?;
+    let (mut tx, mut rx) = (r.slice(0, args.size)?, r.slice(SLOT, SLOT)?);
+    tx.copy_from(&vec![7u8; args.size])?;
+    let warm = args.iters / 10;
+    let mut t0 = Instant::now();
+    for i in 0..warm + args.iters {
+        if i == warm {
+            t0 = Instant::now();
+        }
+        let recv = w.recv(ep, rx);
+        let (res, t) = w.send(ep, tx).await;
+        res?;
+        let (res, b) = recv.await;
+        res?;
+        (tx, rx) = (t, b);
+    }
+    let rtt = t0.elapsed().as_secs_f64() / args.iters.max(1) as f64;
+    tx.set_len(1)?;
+    let (res, _) = w.send(ep, tx).await; // tells the peer's async echo to stop
+    res?;
+    Ok(rtt)
+}
+
+/// The spawned peer: connects twice, echoes blocking on the first connection, then async
+/// on the second.
+fn latency_peer(args: &Args, addr: &str) -> Res<()> {
+    let domain = open(args.transport)?;
+    let total = args.iters / 10 + args.iters;
+    let connect = |domain: &Domain| -> Res<Box<dyn Transport>> {
+        let mut c = domain.connect(addr)?;
+        Ok(backend::connect_timeout(c.as_mut(), DEADLINE)?)
+    };
+    let mut b = connect(&domain)?;
+    let r = domain.register(4 * SLOT, Access::empty())?;
+    // a receive is always posted before the peer can send (verbs RC needs that)
+    b.post_recv(r.slice(0, SLOT)?, 0).map_err(|e| e.error)?;
+    let a = connect(&domain)?;
+    let rt = runtime()?;
+    let _enter = rt.enter();
+    let w = AsyncWorker::new(&domain)?;
+    let ep = w.add(a)?;
+    let first = w.recv(ep, r.slice(2 * SLOT, SLOT)?);
+    // blocking echo: receive into one buffer, re-post the other, send back the first
+    let mut spare = Some(r.slice(SLOT, SLOT)?);
+    let mut out: Vec<Completion> = (0..1).map(|_| Completion::default()).collect();
+    let mut echoed = 0;
+    while echoed < total {
+        let c = poll_one(b.as_mut(), &mut out)?;
+        let mut buf = c.buf.ok_or("a completion without its buffer")?;
+        match c.op {
+            OpKind::Recv => {
+                echoed += 1;
+                if echoed < total {
+                    b.post_recv(spare.take().ok_or("spare")?, 0)
+                        .map_err(|e| e.error)?;
+                }
+                buf.set_len(c.len)?;
+                b.post_send(buf, 1).map_err(|e| e.error)?;
+            }
+            _ => {
+                buf.set_len(SLOT)?;
+                spare = Some(buf);
+            }
+        }
+    }
+    // let the last echo's send complete
+    while b.in_flight() > 0 {
+        let _ = poll_one(b.as_mut(), &mut out)?;
+    }
+    // async echo until the 1-byte goodbye
+    rt.block_on(async {
+        let mut next = first;
+        let mut other = r.slice(3 * SLOT, SLOT)?;
+        loop {
+            let (res, mut got) = next.await;
+            let d = res?;
+            if d.len == 1 {
+                break;
+            }
+            next = w.recv(ep, other); // posted before the echo
+            got.set_len(d.len)?;
+            let (res, mut sent) = w.send(ep, got).await;
+            res?;
+            sent.set_len(SLOT)?;
+            other = sent;
+        }
+        Ok::<_, Box<dyn std::error::Error>>(())
+    })?;
+    drop(b);
+    Ok(())
+}
