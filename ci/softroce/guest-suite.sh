@@ -6,6 +6,7 @@
 # TESTLIST holds one line per host-built test executable, "<package dir> TAB <executable>";
 # each runs in its package directory (as under cargo test) with --test-threads=1 --nocapture
 # (override with SOFTROCE_TEST_THREADS) under a timeout (SOFTROCE_STEP_TIMEOUT, default 600 s).
+# Then examples/async_echo over verbs (fabric-core's async worker, self-spawned peers).
 # When EXAMPLES_DIR/rc_pingpong exists, the ibv_rc_pingpong interop pairings run on both
 # layouts: rdma-core's server with our client, our server with rdma-core's client, ours with
 # ours. Prints a summary and exits 1 if any step failed.
@@ -154,6 +155,28 @@ while IFS=$'\t' read -r dir bin; do
   if [ -x "$bin" ]; then run_test_binary "$dir" "$bin"
   else record FAIL "$(basename "$bin") (not found: $bin)" 0; fi
 done < "$LIST"
+
+# fabric-core's async worker (tokio) over verbs: examples/async_echo with no peer arguments
+# spawns its peers (a blocking vs async round-trip comparison, then concurrent clients, one
+# task each, every byte checked). Its tests (tests/fabric_async.rs) ran above with the other
+# test executables.
+if [ -x "$EXAMPLES/async_echo" ]; then
+  echo
+  echo "=== example async_echo --transport verbs"
+  t0=$(date +%s.%N)
+  timeout -k 5 300 "$EXAMPLES/async_echo" --transport verbs --iters 2000 --clients 4 --rounds 200 \
+    > /tmp/async_echo.log 2>&1
+  rc=$?
+  sed 's/^/  /' /tmp/async_echo.log
+  if [ $rc = 0 ] && grep -q 'ratio async / blocking' /tmp/async_echo.log &&
+    grep -q 'server: 800 echoes for 4 concurrent clients' /tmp/async_echo.log; then
+    record PASS "async_echo --transport verbs" "$(since "$t0")"
+  else
+    record FAIL "async_echo --transport verbs (status $rc)" "$(since "$t0")"
+  fi
+else
+  record FAIL "async_echo: $EXAMPLES/async_echo not built" 0
+fi
 
 OURS=$EXAMPLES/rc_pingpong
 THEIRS=$(command -v ibv_rc_pingpong || true)
