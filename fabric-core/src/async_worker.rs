@@ -53,6 +53,13 @@
 //! 4. await readiness of the fd (or a *kick*: a new post, which may make a dormant endpoint
 //!    busy, wakes the driver as well); clear tokio's readiness and go to 1.
 //!
+//! An [`Op`] that is polled before its completion was dispatched polls the worker itself
+//! once (up to four completions; the others' are handed to their slots): a send's
+//! completion is usually there at once, and taking it there saves a round through the
+//! driver task. Because such a poll may move an endpoint whose fd fired back to the active
+//! queue (where no fd watches it), it kicks the driver, which then polls and arms again
+//! before it sleeps.
+//!
 //! # No lost completion
 //!
 //! A completion that arrives after step 1's poll and before step 3's arm is seen by the arm
@@ -211,6 +218,9 @@ fn bump(c: &AtomicU64) {
     c.fetch_add(1, Ordering::Relaxed);
 }
 
+/// Completions an [`Op`] takes from the worker when it polls it itself.
+const INLINE_POLL: usize = 4;
+
 /// One operation's place between its post and its future.
 enum Slot {
     Free,
@@ -286,6 +296,10 @@ struct Shared {
     driver: Mutex<Option<Waker>>,
     before_arm: Mutex<Option<Hook>>,
     stats: Counters,
+    /// When the last completion was dispatched (nanoseconds since `epoch`), by the driver
+    /// or by an [`Op`] that polled the worker itself: the driver's spin counts from it.
+    activity: AtomicU64,
+    epoch: Instant,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -320,7 +334,20 @@ impl Shared {
     /// One poll of the worker; completions go to their slots, wakers into `wake`.
     fn progress(&self, events: &mut [Event], wake: &mut Vec<Waker>) -> Result<usize> {
         let mut t = lock(&self.table);
+        self.dispatch(&mut t, events, |w| wake.push(w))
+    }
+
+    /// Polls the (locked) worker into `events` and hands each completion to its slot.
+    fn dispatch(
+        &self,
+        t: &mut Table,
+        events: &mut [Event],
+        mut wake: impl FnMut(Waker),
+    ) -> Result<usize> {
         let n = t.worker.poll(events)?;
+        if n == 0 {
+            return Ok(0);
+        }
         for ev in &mut events[..n] {
             let c = std::mem::take(&mut ev.completion);
             let wr_id = c.wr_id;
@@ -333,7 +360,7 @@ impl Shared {
                     *slot = Slot::Done(c);
                     t.pending -= 1;
                     if let Some(w) = w {
-                        wake.push(w);
+                        wake(w);
                     }
                 }
                 Slot::Abandoned => {
@@ -348,7 +375,17 @@ impl Shared {
         self.stats
             .completions
             .fetch_add(n as u64, Ordering::Relaxed);
+        self.activity
+            .store(self.epoch.elapsed().as_nanos() as u64, Ordering::Relaxed);
         Ok(n)
+    }
+
+    /// Whether a completion came (here or in an [`Op`]'s own poll) within the spin time.
+    fn recently_busy(&self, last_work: Instant) -> bool {
+        let now = self.epoch.elapsed();
+        let shared = Duration::from_nanos(self.activity.load(Ordering::Relaxed));
+        let local = last_work.saturating_duration_since(self.epoch);
+        now.saturating_sub(shared.max(local)) < self.opts.spin
     }
 
     fn poll_wait(&self, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
@@ -405,7 +442,7 @@ async fn drive(shared: Arc<Shared>) {
             }
         }
         let pending = lock(&shared.table).pending;
-        if pending > 0 && last_work.elapsed() < shared.opts.spin {
+        if pending > 0 && shared.recently_busy(last_work) {
             tokio::task::yield_now().await;
             continue;
         }
@@ -534,6 +571,8 @@ impl AsyncWorker {
             driver: Mutex::new(None),
             before_arm: Mutex::new(None),
             stats: Counters::default(),
+            activity: AtomicU64::new(0),
+            epoch: Instant::now(),
         });
         rt.spawn(drive(shared.clone()));
         Ok(AsyncWorker { shared })
@@ -821,32 +860,62 @@ impl Future for Op {
             return Poll::Ready((Err(e), b));
         }
         let shared = this.shared.as_ref().expect("Op polled after it completed");
-        let mut t = lock(&shared.table);
         let wr_id = this.wr_id;
+        let mut t = lock(&shared.table);
+        // Not done yet: poll the worker here first (the completion is often there already,
+        // e.g. a send's), which saves a round through the driver task. Others' completions
+        // found on the way are handed to their slots and their tasks woken (after the
+        // unlock). A failing poll is left to the driver (it counts and retries).
+        let mut woken: [Option<Waker>; INLINE_POLL] = Default::default();
+        let mut inline = false;
+        if matches!(t.get(wr_id), Some(Slot::Waiting(_))) {
+            let mut events: [Event; INLINE_POLL] = std::array::from_fn(|_| Event::default());
+            let mut k = 0;
+            let _ = shared.dispatch(&mut t, &mut events, |w| {
+                woken[k] = Some(w);
+                k += 1;
+            });
+            // That poll may have taken a parked endpoint's fd event and left the endpoint
+            // active (no longer watched): have the driver poll and arm again before it
+            // sleeps, or work arriving there would wake nobody.
+            inline = true;
+        }
         let Some(slot) = t.get(wr_id) else {
             unreachable!("an Op's slot stays claimed until the Op takes or drops it")
         };
-        match slot {
+        let out = match slot {
             Slot::Done(_) => {
                 let Slot::Done(c) = std::mem::replace(slot, Slot::Free) else {
                     unreachable!()
                 };
                 t.release(wr_id);
-                drop(t);
-                if let Some(s) = this.shared.take() {
-                    s.drop_user();
-                }
-                Poll::Ready(finish(c))
+                Some(c)
             }
             Slot::Waiting(w) => {
                 if !w.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
                     *w = Some(cx.waker().clone());
                 }
-                Poll::Pending
+                None
             }
             Slot::Free | Slot::Abandoned => {
                 unreachable!("an Op's slot stays claimed until the Op takes or drops it")
             }
+        };
+        drop(t);
+        if inline {
+            shared.kick();
+        }
+        for w in woken.into_iter().flatten() {
+            w.wake();
+        }
+        match out {
+            Some(c) => {
+                if let Some(s) = this.shared.take() {
+                    s.drop_user();
+                }
+                Poll::Ready(finish(c))
+            }
+            None => Poll::Pending,
         }
     }
 }
