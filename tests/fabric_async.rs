@@ -693,3 +693,80 @@ fn async_worker_outside_a_runtime_is_a_typed_error() {
     let e = AsyncWorker::new(&d).unwrap_err();
     assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
 }
+
+// ---------------------------------------------------------------------------------------
+// examples/async_echo end to end
+
+fn async_echo(kind: TransportKind, test: &str) {
+    let _g = serial();
+    if kind == TransportKind::Verbs && open(kind, test).is_none() {
+        return;
+    }
+    let exe = std::env::current_exe().unwrap();
+    let path = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples/async_echo");
+    if !path.exists() {
+        skip(
+            "examples",
+            format_args!("{test}: async_echo not built next to this test"),
+        );
+        return;
+    }
+    let out = std::process::Command::new(path)
+        .args([
+            "--transport",
+            kind.name(),
+            "--iters",
+            "500",
+            "--clients",
+            "4",
+            "--rounds",
+            "50",
+        ])
+        .env_remove("FABRIC_TRANSPORT")
+        .output()
+        .expect("run async_echo");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "async_echo failed: {}\nstdout:\n{stdout}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("{stdout}");
+    let figure = |label: &str| -> f64 {
+        let line = stdout
+            .lines()
+            .find(|l| l.contains(label))
+            .unwrap_or_else(|| panic!("no {label:?} line in:\n{stdout}"));
+        line.split_whitespace()
+            .find_map(|w| w.parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("no figure in {line:?}"))
+    };
+    assert!(figure("blocking ping-pong round trip") > 0.0);
+    assert!(figure("async (.await) round trip") > 0.0);
+    assert!(figure("ratio async / blocking") > 0.0);
+    assert!(
+        stdout.contains("server: 200 echoes for 4 concurrent clients"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn shm_async_echo_example_runs() {
+    async_echo(TransportKind::Shm, "shm_async_echo_example_runs");
+}
+
+#[test]
+fn tcp_async_echo_example_runs() {
+    async_echo(TransportKind::Tcp, "tcp_async_echo_example_runs");
+}
+
+#[test]
+fn verbs_async_echo_example_runs() {
+    async_echo(TransportKind::Verbs, "verbs_async_echo_example_runs");
+}
