@@ -107,7 +107,8 @@
 //!   ([`AsyncWorkerStats::poll_errors`]) and retried after a millisecond; the operations stay
 //!   pending. Peer failures are error completions of their operations only.
 //! * [`AsyncWorker::new`] needs a tokio runtime with IO enabled (`enable_io` /
-//!   `enable_all`); the driver runs on it, so the runtime must outlive the operations.
+//!   `enable_all`; without it, a typed error); the driver runs on it, so the runtime must
+//!   outlive the operations.
 #![allow(unsafe_code)]
 
 use std::fmt;
@@ -510,9 +511,6 @@ impl AsyncWorker {
     ///
     /// # Errors
     /// As [`from_worker`](Self::from_worker).
-    ///
-    /// # Panics
-    /// As [`from_worker`](Self::from_worker).
     pub fn new(domain: &Domain) -> Result<AsyncWorker> {
         Self::from_worker(Worker::new(domain)?, AsyncOptions::default())
     }
@@ -520,9 +518,6 @@ impl AsyncWorker {
     /// An async worker with `opts`.
     ///
     /// # Errors
-    /// As [`from_worker`](Self::from_worker).
-    ///
-    /// # Panics
     /// As [`from_worker`](Self::from_worker).
     pub fn with_options(domain: &Domain, opts: AsyncOptions) -> Result<AsyncWorker> {
         Self::from_worker(Worker::new(domain)?, opts)
@@ -535,11 +530,9 @@ impl AsyncWorker {
     /// are dropped (with their buffers) when they come. Post through the async worker.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] outside a tokio runtime; [`Error::Io`] when the fd cannot
-    /// be duplicated or registered with the reactor.
-    ///
-    /// # Panics
-    /// When the runtime was built without IO (tokio's own check in `AsyncFd::new`).
+    /// [`Error::InvalidArgument`] outside a tokio runtime, or in one built without IO
+    /// (tokio's own check panics; that panic is caught and its message printed by the panic
+    /// hook); [`Error::Io`] when the fd cannot be duplicated or registered with the reactor.
     pub fn from_worker(worker: Worker, opts: AsyncOptions) -> Result<AsyncWorker> {
         let rt = tokio::runtime::Handle::try_current().map_err(|e| {
             Error::InvalidArgument(format!("AsyncWorker needs a tokio runtime: {e}"))
@@ -550,10 +543,19 @@ impl AsyncWorker {
             .map_err(|e| Error::io("dup", e))?;
         let fd = {
             let _enter = rt.enter();
-            // SAFETY: `dup` is an open fd that the `OwnedFd` owns and keeps open for as long
-            // as the `AsyncFd` holds it; `as_raw_fd` always returns that same fd.
-            unsafe { AsyncFd::register_with_interest(dup, tokio::io::Interest::READABLE) }
-                .map_err(|e| Error::io("AsyncFd registration", e.into()))?
+            // tokio panics when the runtime has no IO driver: made a typed error here.
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                // SAFETY: `dup` is an open fd that the `OwnedFd` owns and keeps open for as
+                // long as the `AsyncFd` holds it; `as_raw_fd` always returns that same fd.
+                unsafe { AsyncFd::register_with_interest(dup, tokio::io::Interest::READABLE) }
+            }))
+            .map_err(|_| {
+                Error::InvalidArgument(
+                    "AsyncWorker needs a tokio runtime with IO enabled (enable_io / enable_all)"
+                        .into(),
+                )
+            })?
+            .map_err(|e| Error::io("AsyncFd registration", e.into()))?
         };
         let shared = Arc::new(Shared {
             fd,
@@ -983,6 +985,11 @@ mod tests {
     #[test]
     fn outside_a_runtime_it_is_a_typed_error() {
         let d = Domain::open(crate::TransportKind::Shm, &Default::default()).unwrap();
+        let e = AsyncWorker::new(&d).unwrap_err();
+        assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
+        // a runtime without IO: tokio would panic; a typed error instead
+        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let _enter = rt.enter();
         let e = AsyncWorker::new(&d).unwrap_err();
         assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
     }
