@@ -183,6 +183,62 @@ fn scope_with_stashed_completions_polls_the_device_and_keeps_its_deadline() {
     assert_eq!(r.1, (100..108).collect::<Vec<u64>>());
 }
 
+/// A scope's `poll` counts its own completions as it takes them in: the completions of
+/// another QP's work on the same CQ (and that QP's receives) count for nothing, the scope's
+/// own error status is the one the scope reports, and once its own completions were polled
+/// nothing of it is outstanding.
+#[test]
+fn scope_poll_counts_only_its_own_completions_and_its_first_error() {
+    let r = within(20, || {
+        let f = Fake::new();
+        let mut cq = f.ctx.create_cq(64).unwrap();
+        let (pd, mut qp) = rc_qp(&f, &cq, &cq, 16);
+        let o = pd
+            .queue_pair(&cq, &cq)
+            .max_send_wr(8)
+            .max_recv_wr(8)
+            .build_rc()
+            .unwrap();
+        let ep = o.endpoint();
+        let mut other = o.connect(&ep).unwrap();
+        let src = pd.alloc_region(64).unwrap();
+        let mut rx = pd.alloc_region(64).unwrap();
+        let mut osrc = pd.alloc_region(64).unwrap();
+        qp.post_recv(rx.slice(..8).unwrap(), 42).unwrap();
+        other.send(osrc.slice(..8).unwrap(), 7).unwrap();
+        let (qpn, oqpn) = (qp.qp_num(), other.qp_num());
+        let mut seen = Vec::new();
+        let r = qp.scope(&mut cq, Duration::from_secs(5), |s| {
+            s.write(&src, ..8, remote(), 1).unwrap();
+            s.write(&src, 8..16, remote(), 2).unwrap();
+            // Other work completes first, then the scope's two: the first with an error.
+            f.complete_sends(oqpn, 1, 0);
+            f.complete_recv(qpn, 8, 0);
+            let mut out = Completion::buffer(8);
+            let n = s.poll(&mut out).unwrap();
+            seen.push((n, s.outstanding()));
+            f.complete_sends(qpn, 1, WC_FLUSH);
+            f.complete_sends(qpn, 1, 0);
+            let mut n = 0;
+            while n < 2 {
+                n += s.poll(&mut out[n..]).unwrap();
+            }
+            seen.push((n, s.outstanding()));
+        });
+        (format!("{r:?}"), seen)
+    });
+    assert_eq!(
+        r.1,
+        vec![(2, 2), (2, 0)],
+        "other work counted as the scope's, or the scope's own not counted"
+    );
+    assert!(
+        r.0.contains("Completion"),
+        "the scope's error status: {}",
+        r.0
+    );
+}
+
 /// Hole 3: a drop that panics while earlier unsignalled requests are retired must not leave
 /// the ring's tail behind, or the next completion frees a request posted later.
 #[test]

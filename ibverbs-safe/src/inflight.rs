@@ -413,6 +413,8 @@ pub(crate) struct Completed {
     pub(crate) user: u64,
     pub(crate) scoped: bool,
     pub(crate) kind: QueueKind,
+    /// The queue the slot belongs to (compared, never dereferenced, by a scope's poll).
+    pub(crate) queue: *const WorkQueue,
 }
 
 /// Drops a UD send's address handle once its slot is free (out of line: rare).
@@ -643,6 +645,7 @@ impl WorkQueue {
             user,
             scoped,
             kind: q.kind,
+            queue: q,
         });
         if q.ordered {
             let from = q.tail.load(Ordering::Relaxed);
