@@ -578,6 +578,62 @@ fn post_batch_with_a_bad_wr_naming_nothing_keeps_the_buffers() {
     let _ = WC_FLUSH;
 }
 
+/// A UD send's address handle: the slot holds one reference while the send is in flight
+/// and gives it up at the completion; a send the provider refuses comes back with its
+/// destination (and nothing leaks or is dropped twice either way).
+#[test]
+fn ud_send_holds_its_address_handle_until_the_completion() {
+    let f = Fake::new();
+    let mut cq = f.ctx.create_cq(16).unwrap();
+    let pd = f.ctx.alloc_pd().unwrap();
+    let ud = pd.queue_pair(&cq, &cq).max_send_wr(4).build_ud().unwrap();
+    let mut ud = ud.activate().unwrap();
+    let qpn = ud.qp_num();
+    let ah = pd
+        .create_ah(&AhAttr {
+            dlid: 1,
+            sl: 0,
+            port: 1,
+            grh: None,
+        })
+        .unwrap();
+    let refs = || Arc::strong_count(&ah.inner);
+    let dest = UdDest {
+        ah: ah.clone(),
+        qpn: 5,
+        qkey: 0x1111_1111,
+    };
+    let mut buf = pd.alloc_region(64).unwrap();
+    let base = refs();
+    ud.post_send(SendRequest::send_to(buf.slice(..8).unwrap(), dest.clone()).wr_id(1))
+        .unwrap();
+    assert_eq!(refs(), base + 1, "the slot holds the address handle");
+    assert_eq!(f.complete_sends(qpn, 1, 0), 1);
+    let mut out = Completion::buffer(4);
+    assert_eq!(cq.poll(&mut out).unwrap(), 1);
+    assert_eq!(out[0].wr_id(), 1);
+    assert_eq!(refs(), base, "the completion released it");
+    f.with(|s| {
+        s.post_send_mode = Some(PostSendMode::FailAt {
+            n: 0,
+            rc: libc::ENOMEM,
+        })
+    });
+    let e = ud
+        .post_send(SendRequest::send_to(buf.slice(..8).unwrap(), dest).wr_id(2))
+        .unwrap_err();
+    assert_eq!(
+        refs(),
+        base,
+        "the refused request holds the only extra reference"
+    );
+    assert_eq!(e.request.bufs().len(), 1, "its buffer came back");
+    drop(e);
+    assert_eq!(refs(), base - 1, "dropping it dropped its destination once");
+    drop(out);
+    assert_eq!(buf.outstanding(), 0);
+}
+
 /// A batch the provider refuses part-way hands the refused requests back whole (operation,
 /// remote target, immediate data, flags, id and buffers), so they can be posted again as
 /// they were; before, they came back as plain SENDs of their buffers.

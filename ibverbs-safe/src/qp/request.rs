@@ -279,6 +279,13 @@ fn check_bufs(bufs: &SgList, flags: u32, pd: *const PdInner) -> Result<()> {
     Ok(())
 }
 
+/// Drops a posted request's remains (a UD destination) out of line.
+#[cold]
+#[inline(never)]
+fn drop_request(req: SendRequest) {
+    drop(req);
+}
+
 /// A full send queue: the request back.
 #[cold]
 #[inline(never)]
@@ -515,7 +522,12 @@ impl<T: Transport> QueuePair<T> {
     /// buffers, misaligned atomic, inline too large), [`Error::OutOfBounds`] (local
     /// buffers longer than the remote window), [`Error::PostSend`].
     #[inline]
-    pub fn post_send(&mut self, mut req: SendRequest) -> Result<(), PostError<SendRequest>> {
+    pub fn post_send(&mut self, req: SendRequest) -> Result<(), PostError<SendRequest>> {
+        // Not dropped in place on the way out: its drop glue, even in a branch never taken,
+        // takes the request's address and so keeps it in memory. Every exit hands it on by
+        // value (back to the caller whole, or to a cold drop), or knows it holds nothing to
+        // drop.
+        let mut req = std::mem::ManuallyDrop::new(req);
         let mut sges: Sges = [const { MaybeUninit::uninit() }; MAX_SGE];
         let mut wr = blank_wr();
         let core = &mut self.core;
@@ -525,7 +537,7 @@ impl<T: Transport> QueuePair<T> {
         {
             return Err(PostError {
                 error,
-                request: req,
+                request: std::mem::ManuallyDrop::into_inner(req),
             });
         }
         // The checks of the buffers themselves, only where they can matter.
@@ -533,12 +545,15 @@ impl<T: Transport> QueuePair<T> {
             if let Err(error) = check_bufs(&req.bufs, req.flags, pd) {
                 return Err(PostError {
                     error,
-                    request: req,
+                    request: std::mem::ManuallyDrop::into_inner(req),
                 });
             }
         }
         let Some(slot) = core.sq.free_at(core.sq_head) else {
-            return Err(queue_full(core.sq.depth(), req));
+            return Err(queue_full(
+                core.sq.depth(),
+                std::mem::ManuallyDrop::into_inner(req),
+            ));
         };
         // The request keeps everything but its buffers, which the slot owns from here on
         // (until the completion, or the provider's refusal, hands them back).
@@ -550,9 +565,20 @@ impl<T: Transport> QueuePair<T> {
         // live registration kept alive by the slot until the completion or QP destruction.
         let rc = unsafe { ops::post_send(core.qp, &mut wr, &mut bad) };
         if rc != 0 {
-            return Err(refused(core, id, rc, req));
+            return Err(refused(
+                core,
+                id,
+                rc,
+                std::mem::ManuallyDrop::into_inner(req),
+            ));
         }
         WorkQueue::advance_past(&mut core.sq_head, slot);
+        // What is left to drop: the buffers went into the slot (the list is empty), so only
+        // a UD destination's address handle (the slot holds a clone of it).
+        if matches!(req.op, Op::SendTo(_)) {
+            // SAFETY: `req` is not used after this.
+            drop_request(unsafe { std::mem::ManuallyDrop::take(&mut req) });
+        }
         Ok(())
     }
 
