@@ -4,7 +4,7 @@
 use super::{PostError, QueuePair, Rc, Transport, Uc, Ud};
 use crate::ah::{AddressHandle, AhAttr};
 use crate::error::{rc_error, Error, Result};
-use crate::inflight::{SgList, Sges, SlotData, WorkQueue, MAX_SGE};
+use crate::inflight::{SgList, Sges, WorkQueue, MAX_SGE};
 use crate::mr::{MrSlice, RemoteMemory};
 use crate::pd::PdInner;
 use crate::qp::Endpoint;
@@ -549,7 +549,8 @@ impl<T: Transport> QueuePair<T> {
                 });
             }
         }
-        let Some(slot) = core.sq.free_at(core.sq_head) else {
+        // SAFETY: `sq_head` is `sq`'s cursor.
+        let Some(slot) = (unsafe { core.sq.free_at_cursor(core.sq_head) }) else {
             return Err(queue_full(
                 core.sq.depth(),
                 std::mem::ManuallyDrop::into_inner(req),
@@ -621,7 +622,8 @@ impl<T: Transport> QueuePair<T> {
                 err = Some(e);
                 break;
             }
-            let Some(slot) = core.sq.free_at(cursor) else {
+            // SAFETY: `cursor` started as `sq_head` and moved only past `sq`'s slots.
+            let Some(slot) = (unsafe { core.sq.free_at_cursor(cursor) }) else {
                 err = Some(Error::QueueFull {
                     queue: "send queue",
                     depth: core.sq.depth(),
@@ -632,7 +634,7 @@ impl<T: Transport> QueuePair<T> {
             // gets them back, refused).
             let (user, ah) = (req.wr_id, req.ah());
             ids[i] = slot.post(&mut req.bufs, user, ah, false);
-            core.sq.advance(&mut cursor);
+            WorkQueue::advance_past(&mut cursor, slot);
             wrs[i].write(wr);
             filled += 1;
         }
@@ -681,8 +683,11 @@ impl<T: Transport> QueuePair<T> {
                 });
             }
         }
-        for _ in 0..posted {
-            core.sq.advance(&mut core.sq_head);
+        if posted > 0 {
+            // SAFETY: `ids[posted - 1]` is the address of the slot of `sq` that the last
+            // posted request went into (from `Slot::post`), which the queue keeps alive.
+            let last = unsafe { &*(ids[posted - 1] as *const crate::inflight::Slot) };
+            WorkQueue::advance_past(&mut core.sq_head, last);
         }
         // The posted requests leave the batch (their buffers are in their slots).
         for r in &mut batch.reqs[..posted] {
@@ -732,21 +737,14 @@ impl<T: Transport> QueuePair<T> {
         wr.opcode = IBV_WR_SEND;
         wr.send_flags = sys::IBV_SEND_INLINE | if signaled { sys::IBV_SEND_SIGNALED } else { 0 };
         let core = &mut self.core;
-        let id = core
-            .sq
-            .fill(
-                &mut core.sq_head,
-                SlotData {
-                    bufs: SgList::new(),
-                    user: wr_id,
-                    _ah: None,
-                    scoped: false,
-                },
-            )
-            .map_err(|_| Error::QueueFull {
+        // SAFETY: `sq_head` is `sq`'s cursor.
+        let Some(slot) = (unsafe { core.sq.free_at_cursor(core.sq_head) }) else {
+            return Err(Error::QueueFull {
                 queue: "send queue",
                 depth: core.sq.depth(),
-            })?;
+            });
+        };
+        let id = slot.post(&mut SgList::new(), wr_id, None, false);
         wr.wr_id = id;
         let mut bad = std::ptr::null_mut();
         // SAFETY: the QP is live; with IBV_SEND_INLINE the provider copies `data` during the
@@ -759,7 +757,7 @@ impl<T: Transport> QueuePair<T> {
                 source: rc_error(rc),
             });
         }
-        core.sq.advance(&mut core.sq_head);
+        WorkQueue::advance_past(&mut core.sq_head, slot);
         Ok(())
     }
 }

@@ -117,7 +117,8 @@ impl<'scope, 'env, T: Transport> Scope<'scope, 'env, T> {
         if !std::ptr::eq(std::sync::Arc::as_ptr(&core.pd.inner), mr_pd) {
             return Err(Error::ForeignObject("the borrowed region"));
         }
-        let Some(slot) = core.sq.free_at(core.sq_head) else {
+        // SAFETY: `sq_head` is `sq`'s cursor.
+        let Some(slot) = (unsafe { core.sq.free_at_cursor(core.sq_head) }) else {
             return Err(Error::QueueFull {
                 queue: "send queue",
                 depth: core.sq.depth(),
