@@ -184,7 +184,8 @@ fn scope_with_stashed_completions_polls_the_device_and_keeps_its_deadline() {
 }
 
 /// A scope's `poll` counts its own completions as it takes them in: the completions of
-/// another QP's work on the same CQ (and that QP's receives) count for nothing, the scope's
+/// another QP's work on the same CQ, the QP's receives and its send posted before the
+/// scope count for nothing, the scope's
 /// own error status is the one the scope reports, and once its own completions were polled
 /// nothing of it is outstanding.
 #[test]
@@ -205,6 +206,8 @@ fn scope_poll_counts_only_its_own_completions_and_its_first_error() {
         let mut rx = pd.alloc_region(64).unwrap();
         let mut osrc = pd.alloc_region(64).unwrap();
         qp.post_recv(rx.slice(..8).unwrap(), 42).unwrap();
+        // An owned send of the scope's own QP, posted before the scope: not the scope's.
+        qp.send(osrc.slice(8..16).unwrap(), 8).unwrap();
         other.send(osrc.slice(..8).unwrap(), 7).unwrap();
         let (qpn, oqpn) = (qp.qp_num(), other.qp_num());
         let mut seen = Vec::new();
@@ -214,6 +217,7 @@ fn scope_poll_counts_only_its_own_completions_and_its_first_error() {
             // Other work completes first, then the scope's two: the first with an error.
             f.complete_sends(oqpn, 1, 0);
             f.complete_recv(qpn, 8, 0);
+            f.complete_sends(qpn, 1, 0);
             let mut out = Completion::buffer(8);
             let n = s.poll(&mut out).unwrap();
             seen.push((n, s.outstanding()));
@@ -229,7 +233,7 @@ fn scope_poll_counts_only_its_own_completions_and_its_first_error() {
     });
     assert_eq!(
         r.1,
-        vec![(2, 2), (2, 0)],
+        vec![(3, 2), (2, 0)],
         "other work counted as the scope's, or the scope's own not counted"
     );
     assert!(

@@ -342,8 +342,12 @@ pub(crate) struct Slot {
     index: u32,
     /// The index after this one in its table (wrapping).
     next: u32,
-    /// The slot after this one in its table (wrapping): a ring's next cursor and tail.
-    next_slot: *const Slot,
+    /// The slot after this one in its table (wrapping): a ring's next cursor and tail. Set
+    /// once, through a shared borrow of the queue once it sits in its `Arc` (so that, under
+    /// Stacked Borrows, the address stays valid for every later shared borrow of the slots),
+    /// and only read after that (a plain load). Not a loom atomic: loom has nothing to model
+    /// in a value written before the queue is shared.
+    next_slot: std::sync::atomic::AtomicPtr<Slot>,
     queue: *const WorkQueue,
     /// Always initialised; owned by the producer while FREE (and then empty: no buffers,
     /// no address handle), by nobody on the CPU while POSTED (the device may use the
@@ -482,33 +486,38 @@ impl Drop for WorkQueue {
 impl WorkQueue {
     pub(crate) fn new(depth: usize, ordered: bool, kind: QueueKind) -> Arc<WorkQueue> {
         let depth = depth.max(1);
-        Arc::new_cyclic(|w| {
+        let queue = Arc::new_cyclic(|w| {
             let q = w.as_ptr();
-            let mut slots: Box<[Slot]> = (0..depth)
+            let slots: Box<[Slot]> = (0..depth)
                 .map(|i| Slot {
                     state: AtomicU8::new(FREE),
                     index: i as u32,
                     next: if i + 1 == depth { 0 } else { i as u32 + 1 },
-                    next_slot: std::ptr::null(),
+                    next_slot: std::sync::atomic::AtomicPtr::new(std::ptr::null_mut()),
                     queue: q,
                     data: UnsafeCell::new(SlotData::empty()),
                 })
                 .collect();
-            // The boxed slots never move again: their addresses are final.
-            let base = slots.as_ptr();
-            for s in slots.iter_mut() {
-                // SAFETY: `next < depth`: inside the allocation.
-                s.next_slot = unsafe { base.add(s.next as usize) };
-            }
             WorkQueue {
                 slots,
                 ordered,
-                tail: AtomicUsize::new(base as usize),
+                tail: AtomicUsize::new(0),
                 dead: AtomicBool::new(false),
                 retired_at: std::sync::atomic::AtomicUsize::new(0),
                 kind,
             }
-        })
+        });
+        // The slots never move again: their addresses are final. Every address below comes
+        // from one shared borrow of them, as every later use (`&self.slots`) is.
+        let base = queue.slots.as_ptr();
+        for s in queue.slots.iter() {
+            // SAFETY: `next < depth`: inside the allocation.
+            let next = unsafe { base.add(s.next as usize) };
+            s.next_slot
+                .store(next.cast_mut(), std::sync::atomic::Ordering::Relaxed);
+        }
+        queue.tail.store(base as usize, Ordering::Relaxed);
+        queue
     }
 
     pub(crate) fn depth(&self) -> usize {
@@ -578,7 +587,7 @@ impl WorkQueue {
     /// Moves a ring's cursor past `slot` (the one at the cursor, just posted).
     #[inline(always)]
     pub(crate) fn advance_past(cursor: &mut RingCursor, slot: &Slot) {
-        cursor.0 = slot.next_slot;
+        cursor.0 = slot.next_slot.load(std::sync::atomic::Ordering::Relaxed);
     }
 
     #[inline]
@@ -694,7 +703,8 @@ impl WorkQueue {
             // The tail moves past this slot *before* any earlier buffer is dropped: should
             // one of those drops panic, no later completion sweeps from a stale tail into
             // slots reused for newer, running work requests.
-            q.tail.store(slot.next_slot as usize, Ordering::Relaxed);
+            let next = slot.next_slot.load(std::sync::atomic::Ordering::Relaxed);
+            q.tail.store(next as usize, Ordering::Relaxed);
             if from != slot as *const Slot as usize {
                 // SAFETY: the tail is always the address of one of `q`'s slots.
                 let from = unsafe { (*(from as *const Slot)).index } as usize;
