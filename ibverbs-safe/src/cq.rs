@@ -426,9 +426,10 @@ impl Completion {
 
     /// Takes `wc` in; its buffers must have been cleared ([`clear_bufs`](Self::clear_bufs)).
     /// Claiming the slot and moving its buffers here cannot panic; releasing the earlier
-    /// unsignalled slots the completion retires (done last) may.
+    /// unsignalled slots the completion retires (done last) may. With `TALLY`, counts the
+    /// completion in `tally` when it is one of the tally's scope (see [`ScopeTally`]).
     #[inline(always)]
-    fn fill(&mut self, wc: &ibv_wc) {
+    fn fill<const TALLY: bool>(&mut self, wc: &ibv_wc, tally: &mut ScopeTally, at: usize) {
         self.wc = *wc;
         if wc.wr_id & 1 == 0 {
             let (wr_id, scoped, queue) = (&mut self.wr_id, &mut self.scoped, &mut self.queue);
@@ -441,6 +442,12 @@ impl Completion {
                     *wr_id = c.user;
                     *scoped = c.scoped;
                     *queue = Some(c.kind);
+                    if TALLY && c.scoped && std::ptr::eq(c.queue, tally.queue) {
+                        tally.hits += 1;
+                        if wc.status != 0 && tally.first_bad.is_none() {
+                            tally.first_bad = Some(at);
+                        }
+                    }
                 })
             };
             if claimed {
@@ -452,6 +459,30 @@ impl Completion {
         }
         self.queue = None;
         self.scoped = false;
+    }
+}
+
+/// What a [`Scope`](crate::Scope)'s poll counts while the completions are taken in (instead
+/// of a second pass over them): the completions of scoped work requests of one send queue,
+/// and where the first of them with an error status landed in `out`.
+pub(crate) struct ScopeTally {
+    /// The scope's send queue (compared, never dereferenced).
+    pub(crate) queue: *const WorkQueue,
+    /// How many completions of the scope were taken in.
+    pub(crate) hits: usize,
+    /// The index in `out` of the first of them with an error status.
+    pub(crate) first_bad: Option<usize>,
+}
+
+impl ScopeTally {
+    /// A tally that counts nothing (for plain polls).
+    #[inline(always)]
+    pub(crate) fn none() -> Self {
+        ScopeTally {
+            queue: std::ptr::null(),
+            hits: 0,
+            first_bad: None,
+        }
     }
 }
 
@@ -543,12 +574,12 @@ impl CompletionQueue {
         if !self.stash.is_empty() {
             done = self.poll_stash(out);
         }
-        self.poll_device(out, done)
+        self.poll_device::<false>(out, done, &mut ScopeTally::none())
     }
 
     #[cold]
     #[inline(never)]
-    fn poll_stash(&mut self, out: &mut [Completion]) -> usize {
+    pub(crate) fn poll_stash(&mut self, out: &mut [Completion]) -> usize {
         let mut done = 0;
         while done < out.len() {
             match self.stash.pop_front() {
@@ -563,10 +594,15 @@ impl CompletionQueue {
     /// Fills `out[done..]` from the completions a panic left pending, then from the device
     /// (not from the stash); returns the new `done`.
     #[inline]
-    pub(crate) fn poll_device(&mut self, out: &mut [Completion], mut done: usize) -> Result<usize> {
+    pub(crate) fn poll_device<const TALLY: bool>(
+        &mut self,
+        out: &mut [Completion],
+        mut done: usize,
+        tally: &mut ScopeTally,
+    ) -> Result<usize> {
         const CHUNK: usize = 16;
         if !self.pending.is_empty() {
-            done = self.poll_pending(out, done);
+            done = self.poll_pending::<TALLY>(out, done, tally);
         }
         // Queues retired before this point were destroyed before the poll below begins.
         let retired = self.inner.retired.load(Ordering::Acquire);
@@ -598,7 +634,7 @@ impl CompletionQueue {
                 // From here on nothing can panic before `o` holds the completion.
                 left.k += 1;
                 // SAFETY: the provider initialised the first `n` entries.
-                o.fill(unsafe { &*first.add(i) });
+                o.fill::<TALLY>(unsafe { &*first.add(i) }, tally, done + i);
             }
             std::mem::forget(left);
             done += n;
@@ -617,7 +653,12 @@ impl CompletionQueue {
 
     #[cold]
     #[inline(never)]
-    fn poll_pending(&mut self, out: &mut [Completion], mut done: usize) -> usize {
+    fn poll_pending<const TALLY: bool>(
+        &mut self,
+        out: &mut [Completion],
+        mut done: usize,
+        tally: &mut ScopeTally,
+    ) -> usize {
         while done < out.len() {
             let Some(wc) = self.pending.front().copied() else {
                 break;
@@ -625,10 +666,10 @@ impl CompletionQueue {
             let o = &mut out[done];
             o.clear_bufs();
             self.pending.pop_front();
-            done += 1;
             // A panic here (releasing retired slots) leaves `o` filled but not reported:
             // rare enough (a second panicking drop) to accept.
-            o.fill(&wc);
+            o.fill::<TALLY>(&wc, tally, done);
+            done += 1;
         }
         done
     }

@@ -183,6 +183,66 @@ fn scope_with_stashed_completions_polls_the_device_and_keeps_its_deadline() {
     assert_eq!(r.1, (100..108).collect::<Vec<u64>>());
 }
 
+/// A scope's `poll` counts its own completions as it takes them in: the completions of
+/// another QP's work on the same CQ, the QP's receives and its send posted before the
+/// scope count for nothing, the scope's
+/// own error status is the one the scope reports, and once its own completions were polled
+/// nothing of it is outstanding.
+#[test]
+fn scope_poll_counts_only_its_own_completions_and_its_first_error() {
+    let r = within(20, || {
+        let f = Fake::new();
+        let mut cq = f.ctx.create_cq(64).unwrap();
+        let (pd, mut qp) = rc_qp(&f, &cq, &cq, 16);
+        let o = pd
+            .queue_pair(&cq, &cq)
+            .max_send_wr(8)
+            .max_recv_wr(8)
+            .build_rc()
+            .unwrap();
+        let ep = o.endpoint();
+        let mut other = o.connect(&ep).unwrap();
+        let src = pd.alloc_region(64).unwrap();
+        let mut rx = pd.alloc_region(64).unwrap();
+        let mut osrc = pd.alloc_region(64).unwrap();
+        qp.post_recv(rx.slice(..8).unwrap(), 42).unwrap();
+        // An owned send of the scope's own QP, posted before the scope: not the scope's.
+        qp.send(osrc.slice(8..16).unwrap(), 8).unwrap();
+        other.send(osrc.slice(..8).unwrap(), 7).unwrap();
+        let (qpn, oqpn) = (qp.qp_num(), other.qp_num());
+        let mut seen = Vec::new();
+        let r = qp.scope(&mut cq, Duration::from_secs(5), |s| {
+            s.write(&src, ..8, remote(), 1).unwrap();
+            s.write(&src, 8..16, remote(), 2).unwrap();
+            // Other work completes first, then the scope's two: the first with an error.
+            f.complete_sends(oqpn, 1, 0);
+            f.complete_recv(qpn, 8, 0);
+            f.complete_sends(qpn, 1, 0);
+            let mut out = Completion::buffer(8);
+            let n = s.poll(&mut out).unwrap();
+            seen.push((n, s.outstanding()));
+            f.complete_sends(qpn, 1, WC_FLUSH);
+            f.complete_sends(qpn, 1, 0);
+            let mut n = 0;
+            while n < 2 {
+                n += s.poll(&mut out[n..]).unwrap();
+            }
+            seen.push((n, s.outstanding()));
+        });
+        (format!("{r:?}"), seen)
+    });
+    assert_eq!(
+        r.1,
+        vec![(3, 2), (2, 0)],
+        "other work counted as the scope's, or the scope's own not counted"
+    );
+    assert!(
+        r.0.contains("Completion"),
+        "the scope's error status: {}",
+        r.0
+    );
+}
+
 /// Hole 3: a drop that panics while earlier unsignalled requests are retired must not leave
 /// the ring's tail behind, or the next completion frees a request posted later.
 #[test]
@@ -520,6 +580,62 @@ fn post_batch_with_a_bad_wr_naming_nothing_keeps_the_buffers() {
     assert_eq!(batch.len(), 1);
     assert_eq!(f.sends_on_device(qpn), 1);
     let _ = WC_FLUSH;
+}
+
+/// A UD send's address handle: the slot holds one reference while the send is in flight
+/// and gives it up at the completion; a send the provider refuses comes back with its
+/// destination (and nothing leaks or is dropped twice either way).
+#[test]
+fn ud_send_holds_its_address_handle_until_the_completion() {
+    let f = Fake::new();
+    let mut cq = f.ctx.create_cq(16).unwrap();
+    let pd = f.ctx.alloc_pd().unwrap();
+    let ud = pd.queue_pair(&cq, &cq).max_send_wr(4).build_ud().unwrap();
+    let mut ud = ud.activate().unwrap();
+    let qpn = ud.qp_num();
+    let ah = pd
+        .create_ah(&AhAttr {
+            dlid: 1,
+            sl: 0,
+            port: 1,
+            grh: None,
+        })
+        .unwrap();
+    let refs = || Arc::strong_count(&ah.inner);
+    let dest = UdDest {
+        ah: ah.clone(),
+        qpn: 5,
+        qkey: 0x1111_1111,
+    };
+    let mut buf = pd.alloc_region(64).unwrap();
+    let base = refs();
+    ud.post_send(SendRequest::send_to(buf.slice(..8).unwrap(), dest.clone()).wr_id(1))
+        .unwrap();
+    assert_eq!(refs(), base + 1, "the slot holds the address handle");
+    assert_eq!(f.complete_sends(qpn, 1, 0), 1);
+    let mut out = Completion::buffer(4);
+    assert_eq!(cq.poll(&mut out).unwrap(), 1);
+    assert_eq!(out[0].wr_id(), 1);
+    assert_eq!(refs(), base, "the completion released it");
+    f.with(|s| {
+        s.post_send_mode = Some(PostSendMode::FailAt {
+            n: 0,
+            rc: libc::ENOMEM,
+        })
+    });
+    let e = ud
+        .post_send(SendRequest::send_to(buf.slice(..8).unwrap(), dest).wr_id(2))
+        .unwrap_err();
+    assert_eq!(
+        refs(),
+        base,
+        "the refused request holds the only extra reference"
+    );
+    assert_eq!(e.request.bufs().len(), 1, "its buffer came back");
+    drop(e);
+    assert_eq!(refs(), base - 1, "dropping it dropped its destination once");
+    drop(out);
+    assert_eq!(buf.outstanding(), 0);
 }
 
 /// A batch the provider refuses part-way hands the refused requests back whole (operation,

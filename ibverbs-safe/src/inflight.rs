@@ -340,8 +340,14 @@ const BUSY: u8 = 2;
 pub(crate) struct Slot {
     state: AtomicU8,
     index: u32,
-    /// The index after this one in its table (wrapping): a ring's next cursor and tail.
+    /// The index after this one in its table (wrapping).
     next: u32,
+    /// The slot after this one in its table (wrapping): a ring's next cursor and tail. Set
+    /// once, through a shared borrow of the queue once it sits in its `Arc` (so that, under
+    /// Stacked Borrows, the address stays valid for every later shared borrow of the slots),
+    /// and only read after that (a plain load). Not a loom atomic: loom has nothing to model
+    /// in a value written before the queue is shared.
+    next_slot: std::sync::atomic::AtomicPtr<Slot>,
     queue: *const WorkQueue,
     /// Always initialised; owned by the producer while FREE (and then empty: no buffers,
     /// no address handle), by nobody on the CPU while POSTED (the device may use the
@@ -413,6 +419,8 @@ pub(crate) struct Completed {
     pub(crate) user: u64,
     pub(crate) scoped: bool,
     pub(crate) kind: QueueKind,
+    /// The queue the slot belongs to (compared, never dereferenced, by a scope's poll).
+    pub(crate) queue: *const WorkQueue,
 }
 
 /// Drops a UD send's address handle once its slot is free (out of line: rare).
@@ -421,6 +429,18 @@ pub(crate) struct Completed {
 fn drop_ah(ah: Option<AddressHandle>) {
     drop(ah);
 }
+
+/// A ring's producer cursor: the address of the slot its next work request goes into
+/// (one load to find it, one to move past it). Only meaningful with the queue it came from.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RingCursor(*const Slot);
+
+// SAFETY: an address into the slots of a queue that the cursor's owner keeps alive (an
+// `Arc<WorkQueue>` beside it); it is dereferenced only through that queue's methods, by the
+// queue's single producer (`&mut` of its owner).
+unsafe impl Send for RingCursor {}
+// SAFETY: as above.
+unsafe impl Sync for RingCursor {}
 
 /// Which queue a completion came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -436,8 +456,8 @@ pub enum QueueKind {
 pub(crate) struct WorkQueue {
     slots: Box<[Slot]>,
     ordered: bool,
-    /// Next slot a completion is expected for (ordered queues; touched only by the single
-    /// poller of this queue's CQ).
+    /// The address of the slot a completion is expected for next (ordered queues; touched
+    /// only by the single poller of this queue's CQ).
     tail: AtomicUsize,
     dead: AtomicBool,
     /// Set (to its CQ's retire sequence number) once the queue's QP is destroyed: the CQ
@@ -466,25 +486,38 @@ impl Drop for WorkQueue {
 impl WorkQueue {
     pub(crate) fn new(depth: usize, ordered: bool, kind: QueueKind) -> Arc<WorkQueue> {
         let depth = depth.max(1);
-        Arc::new_cyclic(|w| {
+        let queue = Arc::new_cyclic(|w| {
             let q = w.as_ptr();
+            let slots: Box<[Slot]> = (0..depth)
+                .map(|i| Slot {
+                    state: AtomicU8::new(FREE),
+                    index: i as u32,
+                    next: if i + 1 == depth { 0 } else { i as u32 + 1 },
+                    next_slot: std::sync::atomic::AtomicPtr::new(std::ptr::null_mut()),
+                    queue: q,
+                    data: UnsafeCell::new(SlotData::empty()),
+                })
+                .collect();
             WorkQueue {
-                slots: (0..depth)
-                    .map(|i| Slot {
-                        state: AtomicU8::new(FREE),
-                        index: i as u32,
-                        next: if i + 1 == depth { 0 } else { i as u32 + 1 },
-                        queue: q,
-                        data: UnsafeCell::new(SlotData::empty()),
-                    })
-                    .collect(),
+                slots,
                 ordered,
                 tail: AtomicUsize::new(0),
                 dead: AtomicBool::new(false),
                 retired_at: std::sync::atomic::AtomicUsize::new(0),
                 kind,
             }
-        })
+        });
+        // The slots never move again: their addresses are final. Every address below comes
+        // from one shared borrow of them, as every later use (`&self.slots`) is.
+        let base = queue.slots.as_ptr();
+        for s in queue.slots.iter() {
+            // SAFETY: `next < depth`: inside the allocation.
+            let next = unsafe { base.add(s.next as usize) };
+            s.next_slot
+                .store(next.cast_mut(), std::sync::atomic::Ordering::Relaxed);
+        }
+        queue.tail.store(base as usize, Ordering::Relaxed);
+        queue
     }
 
     pub(crate) fn depth(&self) -> usize {
@@ -531,10 +564,30 @@ impl WorkQueue {
         (slot.state.load(Ordering::Acquire) == FREE).then_some(slot)
     }
 
+    /// A ring's first slot: where its producer cursor ([`RingCursor`]) starts.
+    pub(crate) fn ring_start(&self) -> RingCursor {
+        debug_assert!(self.ordered);
+        RingCursor(self.slots.as_ptr())
+    }
+
+    /// The slot at a ring's cursor, if it is free (else the ring is full). Producer only.
+    ///
+    /// # Safety
+    /// `cursor` must be this queue's: from its [`ring_start`](Self::ring_start), moved only
+    /// by [`advance_past`](Self::advance_past) with slots of this queue.
+    #[inline(always)]
+    pub(crate) unsafe fn free_at_cursor(&self, cursor: RingCursor) -> Option<&Slot> {
+        debug_assert!(self.ordered);
+        debug_assert!(self.slots.as_ptr_range().contains(&cursor.0));
+        // SAFETY: the caller's contract: one of our slots (they live as long as we do).
+        let slot = unsafe { &*cursor.0 };
+        (slot.state.load(Ordering::Acquire) == FREE).then_some(slot)
+    }
+
     /// Moves a ring's cursor past `slot` (the one at the cursor, just posted).
     #[inline(always)]
-    pub(crate) fn advance_past(cursor: &mut usize, slot: &Slot) {
-        *cursor = slot.next as usize;
+    pub(crate) fn advance_past(cursor: &mut RingCursor, slot: &Slot) {
+        cursor.0 = slot.next_slot.load(std::sync::atomic::Ordering::Relaxed);
     }
 
     #[inline]
@@ -643,16 +696,19 @@ impl WorkQueue {
             user,
             scoped,
             kind: q.kind,
+            queue: q,
         });
         if q.ordered {
             let from = q.tail.load(Ordering::Relaxed);
-            let end = slot.index as usize;
             // The tail moves past this slot *before* any earlier buffer is dropped: should
             // one of those drops panic, no later completion sweeps from a stale tail into
             // slots reused for newer, running work requests.
-            q.tail.store(slot.next as usize, Ordering::Relaxed);
-            if from != end {
-                sweep(q, from, end);
+            let next = slot.next_slot.load(std::sync::atomic::Ordering::Relaxed);
+            q.tail.store(next as usize, Ordering::Relaxed);
+            if from != slot as *const Slot as usize {
+                // SAFETY: the tail is always the address of one of `q`'s slots.
+                let from = unsafe { (*(from as *const Slot)).index } as usize;
+                sweep(q, from, slot.index as usize);
             }
         }
         true

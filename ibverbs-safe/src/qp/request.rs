@@ -4,7 +4,7 @@
 use super::{PostError, QueuePair, Rc, Transport, Uc, Ud};
 use crate::ah::{AddressHandle, AhAttr};
 use crate::error::{rc_error, Error, Result};
-use crate::inflight::{SgList, Sges, SlotData, WorkQueue, MAX_SGE};
+use crate::inflight::{SgList, Sges, WorkQueue, MAX_SGE};
 use crate::mr::{MrSlice, RemoteMemory};
 use crate::pd::PdInner;
 use crate::qp::Endpoint;
@@ -279,6 +279,13 @@ fn check_bufs(bufs: &SgList, flags: u32, pd: *const PdInner) -> Result<()> {
     Ok(())
 }
 
+/// Drops a posted request's remains (a UD destination) out of line.
+#[cold]
+#[inline(never)]
+fn drop_request(req: SendRequest) {
+    drop(req);
+}
+
 /// A full send queue: the request back.
 #[cold]
 #[inline(never)]
@@ -515,7 +522,12 @@ impl<T: Transport> QueuePair<T> {
     /// buffers, misaligned atomic, inline too large), [`Error::OutOfBounds`] (local
     /// buffers longer than the remote window), [`Error::PostSend`].
     #[inline]
-    pub fn post_send(&mut self, mut req: SendRequest) -> Result<(), PostError<SendRequest>> {
+    pub fn post_send(&mut self, req: SendRequest) -> Result<(), PostError<SendRequest>> {
+        // Not dropped in place on the way out: its drop glue, even in a branch never taken,
+        // takes the request's address and so keeps it in memory. Every exit hands it on by
+        // value (back to the caller whole, or to a cold drop), or knows it holds nothing to
+        // drop.
+        let mut req = std::mem::ManuallyDrop::new(req);
         let mut sges: Sges = [const { MaybeUninit::uninit() }; MAX_SGE];
         let mut wr = blank_wr();
         let core = &mut self.core;
@@ -525,7 +537,7 @@ impl<T: Transport> QueuePair<T> {
         {
             return Err(PostError {
                 error,
-                request: req,
+                request: std::mem::ManuallyDrop::into_inner(req),
             });
         }
         // The checks of the buffers themselves, only where they can matter.
@@ -533,12 +545,16 @@ impl<T: Transport> QueuePair<T> {
             if let Err(error) = check_bufs(&req.bufs, req.flags, pd) {
                 return Err(PostError {
                     error,
-                    request: req,
+                    request: std::mem::ManuallyDrop::into_inner(req),
                 });
             }
         }
-        let Some(slot) = core.sq.free_at(core.sq_head) else {
-            return Err(queue_full(core.sq.depth(), req));
+        // SAFETY: `sq_head` is `sq`'s cursor.
+        let Some(slot) = (unsafe { core.sq.free_at_cursor(core.sq_head) }) else {
+            return Err(queue_full(
+                core.sq.depth(),
+                std::mem::ManuallyDrop::into_inner(req),
+            ));
         };
         // The request keeps everything but its buffers, which the slot owns from here on
         // (until the completion, or the provider's refusal, hands them back).
@@ -550,9 +566,20 @@ impl<T: Transport> QueuePair<T> {
         // live registration kept alive by the slot until the completion or QP destruction.
         let rc = unsafe { ops::post_send(core.qp, &mut wr, &mut bad) };
         if rc != 0 {
-            return Err(refused(core, id, rc, req));
+            return Err(refused(
+                core,
+                id,
+                rc,
+                std::mem::ManuallyDrop::into_inner(req),
+            ));
         }
         WorkQueue::advance_past(&mut core.sq_head, slot);
+        // What is left to drop: the buffers went into the slot (the list is empty), so only
+        // a UD destination's address handle (the slot holds a clone of it).
+        if matches!(req.op, Op::SendTo(_)) {
+            // SAFETY: `req` is not used after this.
+            drop_request(unsafe { std::mem::ManuallyDrop::take(&mut req) });
+        }
         Ok(())
     }
 
@@ -595,7 +622,8 @@ impl<T: Transport> QueuePair<T> {
                 err = Some(e);
                 break;
             }
-            let Some(slot) = core.sq.free_at(cursor) else {
+            // SAFETY: `cursor` started as `sq_head` and moved only past `sq`'s slots.
+            let Some(slot) = (unsafe { core.sq.free_at_cursor(cursor) }) else {
                 err = Some(Error::QueueFull {
                     queue: "send queue",
                     depth: core.sq.depth(),
@@ -606,7 +634,7 @@ impl<T: Transport> QueuePair<T> {
             // gets them back, refused).
             let (user, ah) = (req.wr_id, req.ah());
             ids[i] = slot.post(&mut req.bufs, user, ah, false);
-            core.sq.advance(&mut cursor);
+            WorkQueue::advance_past(&mut cursor, slot);
             wrs[i].write(wr);
             filled += 1;
         }
@@ -655,8 +683,11 @@ impl<T: Transport> QueuePair<T> {
                 });
             }
         }
-        for _ in 0..posted {
-            core.sq.advance(&mut core.sq_head);
+        if posted > 0 {
+            // SAFETY: `ids[posted - 1]` is the address of the slot of `sq` that the last
+            // posted request went into (from `Slot::post`), which the queue keeps alive.
+            let last = unsafe { &*(ids[posted - 1] as *const crate::inflight::Slot) };
+            WorkQueue::advance_past(&mut core.sq_head, last);
         }
         // The posted requests leave the batch (their buffers are in their slots).
         for r in &mut batch.reqs[..posted] {
@@ -706,21 +737,14 @@ impl<T: Transport> QueuePair<T> {
         wr.opcode = IBV_WR_SEND;
         wr.send_flags = sys::IBV_SEND_INLINE | if signaled { sys::IBV_SEND_SIGNALED } else { 0 };
         let core = &mut self.core;
-        let id = core
-            .sq
-            .fill(
-                &mut core.sq_head,
-                SlotData {
-                    bufs: SgList::new(),
-                    user: wr_id,
-                    _ah: None,
-                    scoped: false,
-                },
-            )
-            .map_err(|_| Error::QueueFull {
+        // SAFETY: `sq_head` is `sq`'s cursor.
+        let Some(slot) = (unsafe { core.sq.free_at_cursor(core.sq_head) }) else {
+            return Err(Error::QueueFull {
                 queue: "send queue",
                 depth: core.sq.depth(),
-            })?;
+            });
+        };
+        let id = slot.post(&mut SgList::new(), wr_id, None, false);
         wr.wr_id = id;
         let mut bad = std::ptr::null_mut();
         // SAFETY: the QP is live; with IBV_SEND_INLINE the provider copies `data` during the
@@ -733,7 +757,7 @@ impl<T: Transport> QueuePair<T> {
                 source: rc_error(rc),
             });
         }
-        core.sq.advance(&mut core.sq_head);
+        WorkQueue::advance_past(&mut core.sq_head, slot);
         Ok(())
     }
 }

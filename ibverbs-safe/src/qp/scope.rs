@@ -5,7 +5,7 @@
 use super::request::{OpClass, SendShape};
 use super::{QueuePair, Transport};
 use crate::buffer::RegionBuffer;
-use crate::cq::{Completion, CompletionQueue};
+use crate::cq::{Completion, CompletionQueue, ScopeTally};
 use crate::error::{rc_error, Error, Result};
 use crate::inflight::WorkQueue;
 use crate::mr::{AccessMode, Local, MemoryRegion, RemoteMemory};
@@ -117,7 +117,8 @@ impl<'scope, 'env, T: Transport> Scope<'scope, 'env, T> {
         if !std::ptr::eq(std::sync::Arc::as_ptr(&core.pd.inner), mr_pd) {
             return Err(Error::ForeignObject("the borrowed region"));
         }
-        let Some(slot) = core.sq.free_at(core.sq_head) else {
+        // SAFETY: `sq_head` is `sq`'s cursor.
+        let Some(slot) = (unsafe { core.sq.free_at_cursor(core.sq_head) }) else {
             return Err(Error::QueueFull {
                 queue: "send queue",
                 depth: core.sq.depth(),
@@ -218,11 +219,37 @@ impl<'scope, 'env, T: Transport> Scope<'scope, 'env, T> {
     /// [`Error::PollCq`].
     #[inline(always)]
     pub fn poll(&mut self, out: &mut [Completion]) -> Result<usize> {
-        let n = self.cq.poll(out)?;
+        let mut done = 0;
+        if !self.cq.stash.is_empty() {
+            done = self.poll_stash(out);
+        }
+        // The device's completions are counted as they are taken in (one pass, not two):
+        // those of this scope are the scoped ones of this QP's send queue, which is what
+        // `count` asks of a completion by its QP number.
+        let mut tally = ScopeTally {
+            queue: std::sync::Arc::as_ptr(&self.qp.core.sq),
+            hits: 0,
+            first_bad: None,
+        };
+        let n = self.cq.poll_device::<true>(out, done, &mut tally)?;
+        self.outstanding -= tally.hits;
+        if let Some(i) = tally.first_bad {
+            if self.first_error.is_none() {
+                self.first_error = Some(out[i].status());
+            }
+        }
+        Ok(n)
+    }
+
+    /// Hands out (and counts) what an earlier scope's wait stashed.
+    #[cold]
+    #[inline(never)]
+    fn poll_stash(&mut self, out: &mut [Completion]) -> usize {
+        let n = self.cq.poll_stash(out);
         for c in &out[..n] {
             self.count(c);
         }
-        Ok(n)
+        n
     }
 
     #[inline(always)]
@@ -248,7 +275,10 @@ impl<'scope, 'env, T: Transport> Scope<'scope, 'env, T> {
         let mut buf: [Completion; 8] = Default::default();
         let mut first_err = None;
         while self.outstanding > 0 {
-            let n = match self.cq.poll_device(&mut buf, 0) {
+            let n = match self
+                .cq
+                .poll_device::<false>(&mut buf, 0, &mut ScopeTally::none())
+            {
                 Ok(n) => n,
                 Err(e) => {
                     first_err.get_or_insert(e);
