@@ -241,6 +241,21 @@ pub(crate) fn next_conn_id() -> u64 {
     NEXT_CONN.fetch_add(1, Ordering::Relaxed)
 }
 
+/// A completion queue shared by several connections of one domain (verbs), as a
+/// [`Worker`](crate::Worker) drives it: one wake-up source for all of them.
+///
+/// A connection attached to a worker ([`Transport::attach_worker`]) has a key in the queue
+/// (the value `attach_worker` returned); `(key >> 32)` is the queue's index in its domain
+/// ([`DomainBackend::shared_completions`]).
+pub(crate) trait SharedCompletions: Send + Sync + fmt::Debug {
+    /// The fds that become readable when an attached, armed connection may have work
+    /// (level-triggered: readable until [`drive`](Self::drive) ran).
+    fn wake_fds(&self) -> Vec<BorrowedFd<'_>>;
+    /// Acknowledges the wake-up, moves completions to their connections and appends the
+    /// keys of armed, attached connections that now have work to `woken`.
+    fn drive(&self, woken: &mut Vec<u64>) -> Result<()>;
+}
+
 /// What a backend implements: moving bytes. Everything it is handed was validated by the
 /// [`Tracker`].
 pub(crate) trait Hal: Send + fmt::Debug {
@@ -255,6 +270,10 @@ pub(crate) trait Hal: Send + fmt::Debug {
             },
             buf,
         })
+    }
+    /// See [`Transport::attach_worker`].
+    fn attach_worker(&mut self, _attached: bool) -> Option<u64> {
+        None
     }
     /// Moves queued operations and incoming data; reports completions to `t`.
     fn progress(&mut self, t: &mut Tracker) -> Result<()>;
@@ -388,6 +407,9 @@ impl<H: Hal> Transport for Endpoint<H> {
     }
     fn wait_fd(&self) -> BorrowedFd<'_> {
         self.h.wait_fd()
+    }
+    fn attach_worker(&mut self, attached: bool) -> Option<u64> {
+        self.h.attach_worker(attached)
     }
     fn arm(&mut self) -> Result<bool> {
         if self.t.ready_len() > 0 || self.t.failure().is_some() {

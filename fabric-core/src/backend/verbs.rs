@@ -14,14 +14,18 @@
 //!   state (RC semantics), so the connection is lost — unlike shm and tcp.
 #![allow(unsafe_code)]
 
+use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Instant;
 
 use ibverbs_safe as ib;
 
-use super::{next_conn_id, BackendEntry, Connector, Endpoint, Hal, Listener, Options};
+use super::{
+    next_conn_id, BackendEntry, Connector, Endpoint, Hal, Listener, Options, SharedCompletions,
+};
 use crate::domain::{Domain, DomainBackend, MemorySupport, Registered};
 use crate::error::{Error, Result};
 use crate::region::{Access, Region};
@@ -48,6 +52,11 @@ struct VerbsDomain {
     device: String,
     port: u8,
     gid: Option<u8>,
+    /// Largest CQ the device makes.
+    max_cqe: u32,
+    /// The CQs its connections share (a new one when all are full; freed with their last
+    /// connection).
+    hubs: Mutex<Vec<Weak<Hub>>>,
 }
 
 impl std::fmt::Debug for VerbsDomain {
@@ -66,12 +75,17 @@ impl VerbsDomain {
         let e = |e: ib::Error| unavailable(e.to_string());
         let ctx = ib::open(Some(&device)).map_err(e)?;
         let pd = ctx.alloc_pd().map_err(e)?;
+        let max_cqe = ctx
+            .query_device()
+            .map_or(CQ_DEPTH, |a| a.max_cqe.max(CQ_DEPTH));
         Ok(VerbsDomain {
             ctx,
             pd,
             device,
             port,
             gid,
+            max_cqe,
+            hubs: Mutex::new(Vec::new()),
         })
     }
 }
@@ -148,6 +162,12 @@ impl DomainBackend for VerbsDomain {
         TransportKind::Verbs
     }
 
+    fn shared_completions(&self, index: u32) -> Option<Arc<dyn SharedCompletions>> {
+        let hubs = self.hubs.lock().unwrap_or_else(|e| e.into_inner());
+        let h: Arc<dyn SharedCompletions> = hubs.get(index as usize)?.upgrade()?;
+        Some(h)
+    }
+
     fn memory(&self) -> MemorySupport {
         // GPU memory only where the probe expects DMA-BUF registration to work.
         let gpu = if crate::topology::probe_gpu_memory(&self.ctx).expected() {
@@ -195,7 +215,11 @@ fn verbs_domain(d: &Domain) -> Result<&VerbsDomain> {
 
 const HELLO_MAGIC: u64 = 0x3153_4252_4556_4246; // "FBVERBS1"
 const HELLO_LEN: usize = 16 + ib::Endpoint::ENCODED_LEN;
+/// Work requests per queue pair at most (each side), and the smallest shared CQ.
 const CQ_DEPTH: u32 = 1024;
+/// Entries of one shared CQ (fewer where the device's `max_cqe` is smaller: rxe 32,767):
+/// with the default 256 in flight, 256 queue pairs per CQ.
+const HUB_CQE: u32 = 1 << 16;
 /// Idle polls between two checks of the side-channel socket.
 const CHECK_EVERY: u32 = 1024;
 
@@ -311,27 +335,323 @@ struct Backing {
     full: ib::MrSlice,
 }
 
-/// One connection's verbs objects (drop order: QP, then CQ, channel, PD, context).
-struct Verbs {
-    qp: ib::QueuePair<ib::Rc>,
-    cq: ib::CompletionQueue,
-    channel: ib::CompletionChannel,
-    _pd: ib::ProtectionDomain,
+/// A work completion as it is handed to its connection (its buffers already released).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Wc {
+    wr_id: u64,
+    status: ib::WcStatus,
+    byte_len: u32,
+    imm: Option<u32>,
 }
 
-impl std::fmt::Debug for Verbs {
+/// Who sleeps until a connection's mailbox gets a completion.
+#[derive(Debug, Default)]
+enum Watch {
+    /// Nobody (the connection is being polled).
+    #[default]
+    None,
+    /// The worker that holds the connection (woken through the queue's eventfd).
+    Worker,
+    /// The connection alone, through its own eventfd.
+    Lone(Arc<OwnedFd>),
+}
+
+/// Whom a routed completion wakes.
+#[derive(Debug)]
+enum Wake {
+    Worker,
+    Lone(Arc<OwnedFd>),
+}
+
+#[derive(Debug, Default)]
+struct Mailbox {
+    q: VecDeque<Wc>,
+    watch: Watch,
+}
+
+/// The I/O-free core of a shared CQ: one mailbox per queue pair (by `qp_num`) for the
+/// completions another connection polled, who sleeps on it, and which worker-held
+/// connections got work while armed.
+#[derive(Debug, Default)]
+struct Demux {
+    boxes: HashMap<u32, Mailbox>,
+    /// Queue pairs watched by the worker that got a completion.
+    woken: Vec<u32>,
+    /// Mailboxes whose watch is not `None` (the CQ must stay armed while some are).
+    watchers: usize,
+}
+
+impl Demux {
+    fn open(&mut self, qp: u32) {
+        self.close(qp);
+        self.boxes.insert(qp, Mailbox::default());
+    }
+
+    fn close(&mut self, qp: u32) {
+        if let Some(b) = self.boxes.remove(&qp) {
+            if !matches!(b.watch, Watch::None) {
+                self.watchers -= 1;
+            }
+        }
+        self.woken.retain(|&k| k != qp);
+    }
+
+    /// Queues a completion of `qp` (dropped when no connection has that queue pair: a
+    /// closed one's) and says whom to wake.
+    fn route(&mut self, qp: u32, wc: Wc) -> Option<Wake> {
+        let b = self.boxes.get_mut(&qp)?;
+        b.q.push_back(wc);
+        match std::mem::take(&mut b.watch) {
+            Watch::None => None,
+            Watch::Worker => {
+                self.watchers -= 1;
+                let first = self.woken.is_empty();
+                self.woken.push(qp);
+                first.then_some(Wake::Worker)
+            }
+            Watch::Lone(fd) => {
+                self.watchers -= 1;
+                Some(Wake::Lone(fd))
+            }
+        }
+    }
+
+    fn take(&mut self, qp: u32) -> Option<Wc> {
+        self.boxes.get_mut(&qp)?.q.pop_front()
+    }
+
+    fn has_mail(&self, qp: u32) -> bool {
+        self.boxes.get(&qp).is_some_and(|b| !b.q.is_empty())
+    }
+
+    /// Sleeps `qp` on its mailbox; `false` (and no watch) when mail waits already.
+    fn watch(&mut self, qp: u32, w: Watch) -> bool {
+        let Some(b) = self.boxes.get_mut(&qp) else {
+            return false;
+        };
+        if !b.q.is_empty() {
+            return false;
+        }
+        if matches!(b.watch, Watch::None) {
+            self.watchers += 1;
+        }
+        b.watch = w;
+        true
+    }
+
+    fn unwatch(&mut self, qp: u32) {
+        if let Some(b) = self.boxes.get_mut(&qp) {
+            if !matches!(std::mem::take(&mut b.watch), Watch::None) {
+                self.watchers -= 1;
+            }
+        }
+    }
+}
+
+/// One completion queue (and channel) that many connections of a domain share: the
+/// worker's one wake-up source on verbs. See [`SharedCompletions`].
+struct Hub {
+    index: u32,
+    channel: ib::CompletionChannel,
+    /// Signalled when a worker-watched connection got a completion that another
+    /// connection polled (no CQ event announces that one).
+    event: OwnedFd,
+    capacity: u32,
+    st: Mutex<HubState>,
+}
+
+struct HubState {
+    cq: ib::CompletionQueue,
+    wcs: Vec<ib::Completion>,
+    demux: Demux,
+    /// A `req_notify` is outstanding (its event not consumed yet).
+    notify: bool,
+    /// CQ entries the live queue pairs may fill (each reserves its depth).
+    reserved: u32,
+    /// Reservations of closed queue pairs, returned once the CQ was seen empty (their
+    /// flushed completions are gone by then).
+    closing: u32,
+}
+
+impl std::fmt::Debug for Hub {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Verbs")
-            .field("qp_num", &self.qp.qp_num())
+        f.debug_struct("Hub")
+            .field("index", &self.index)
+            .field("capacity", &self.capacity)
             .finish()
+    }
+}
+
+fn signal(w: Wake, hub_event: BorrowedFd<'_>) {
+    match w {
+        Wake::Worker => sys::eventfd_signal(hub_event),
+        Wake::Lone(fd) => sys::eventfd_signal(fd.as_fd()),
+    }
+}
+
+impl HubState {
+    /// Polls the CQ dry: completions of `mine` go to `own`, the others to their mailboxes.
+    fn pump(
+        &mut self,
+        hub_event: BorrowedFd<'_>,
+        mine: Option<u32>,
+        own: &mut dyn FnMut(Wc),
+    ) -> Result<usize> {
+        let mut total = 0;
+        loop {
+            let n = self
+                .cq
+                .poll(&mut self.wcs)
+                .map_err(|e| Error::Protocol(format!("poll_cq: {e}")))?;
+            for c in &mut self.wcs[..n] {
+                let gone = c.queue().is_none();
+                let wc = Wc {
+                    wr_id: c.wr_id(),
+                    status: c.status(),
+                    byte_len: c.byte_len(),
+                    imm: c.imm(),
+                };
+                let qp = c.qp_num();
+                drop(c.take_bufs());
+                if gone {
+                    continue; // a late flush of a destroyed queue pair
+                }
+                if Some(qp) == mine {
+                    own(wc);
+                    total += 1;
+                } else if let Some(w) = self.demux.route(qp, wc) {
+                    signal(w, hub_event);
+                }
+            }
+            if n < self.wcs.len() {
+                self.reserved -= std::mem::take(&mut self.closing);
+                return Ok(total);
+            }
+        }
+    }
+
+    fn req_notify(&mut self) -> Result<()> {
+        if !self.notify {
+            self.cq
+                .req_notify(false)
+                .map_err(|e| Error::Protocol(format!("req_notify_cq: {e}")))?;
+            self.notify = true;
+        }
+        Ok(())
+    }
+}
+
+impl Hub {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HubState> {
+        self.st.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// After a wake-up: consumes the channel's events, routes what the CQ holds, and keeps
+    /// the CQ armed while some connection sleeps on it.
+    fn settle(&self, st: &mut HubState) -> Result<()> {
+        while self.channel.get_event().is_ok() {
+            st.notify = false;
+        }
+        st.pump(self.event.as_fd(), None, &mut |_| {})?;
+        if st.demux.watchers > 0 && !st.notify {
+            st.req_notify()?;
+            // What landed before the arm raised no event.
+            st.pump(self.event.as_fd(), None, &mut |_| {})?;
+        }
+        Ok(())
+    }
+}
+
+impl SharedCompletions for Hub {
+    fn wake_fds(&self) -> Vec<BorrowedFd<'_>> {
+        vec![self.channel.as_fd(), self.event.as_fd()]
+    }
+
+    fn drive(&self, woken: &mut Vec<u64>) -> Result<()> {
+        let mut st = self.lock();
+        sys::eventfd_drain(self.event.as_fd());
+        self.settle(&mut st)?;
+        let base = u64::from(self.index) << 32;
+        woken.extend(st.demux.woken.drain(..).map(|q| base | u64::from(q)));
+        Ok(())
+    }
+}
+
+/// A queue pair's place in a [`Hub`]: its CQ entries and its mailbox, given back on drop
+/// (after the queue pair, which is declared before it wherever both are held).
+struct Seat {
+    hub: Arc<Hub>,
+    depth: u32,
+    qp_num: Option<u32>,
+}
+
+impl Drop for Seat {
+    fn drop(&mut self) {
+        let mut st = self.hub.lock();
+        if let Some(q) = self.qp_num {
+            st.demux.close(q);
+        }
+        st.closing += self.depth;
+    }
+}
+
+impl VerbsDomain {
+    /// A shared CQ with room for a queue pair of `depth` work requests (the first with room,
+    /// else a new one).
+    fn seat(&self, depth: u32) -> Result<Seat> {
+        let mut hubs = self.hubs.lock().unwrap_or_else(|e| e.into_inner());
+        for h in hubs.iter().filter_map(Weak::upgrade) {
+            let mut st = h.lock();
+            if h.capacity - st.reserved >= depth {
+                st.reserved += depth;
+                drop(st);
+                return Ok(Seat {
+                    hub: h,
+                    depth,
+                    qp_num: None,
+                });
+            }
+        }
+        let e = |e: ib::Error| unavailable(e.to_string());
+        let channel = self.ctx.create_comp_channel().map_err(e)?;
+        channel.set_nonblocking(true).map_err(e)?;
+        let want = HUB_CQE.min(self.max_cqe).max(depth);
+        let cq = self.ctx.create_cq_with_channel(want, &channel).map_err(e)?;
+        let capacity = cq.capacity().max(want);
+        let index = match hubs.iter().position(|w| w.strong_count() == 0) {
+            Some(i) => i,
+            None => {
+                hubs.push(Weak::new());
+                hubs.len() - 1
+            }
+        };
+        let hub = Arc::new(Hub {
+            index: index as u32,
+            channel,
+            event: sys::eventfd()?,
+            capacity,
+            st: Mutex::new(HubState {
+                cq,
+                wcs: ib::Completion::buffer(64),
+                demux: Demux::default(),
+                notify: false,
+                reserved: depth,
+                closing: 0,
+            }),
+        });
+        hubs[index] = Arc::downgrade(&hub);
+        Ok(Seat {
+            hub,
+            depth,
+            qp_num: None,
+        })
     }
 }
 
 /// A queue pair built but not connected yet.
 struct Prepared {
     qp: ib::PreparedQp<ib::Rc>,
-    cq: ib::CompletionQueue,
-    channel: ib::CompletionChannel,
+    seat: Seat,
     pd: ib::ProtectionDomain,
 }
 
@@ -340,28 +660,26 @@ fn prepare(domain: &Domain) -> Result<Prepared> {
     let vd = verbs_domain(domain)?;
     let (port, gid) = (vd.port, vd.gid);
     let e = |e: ib::Error| unavailable(e.to_string());
-    let ctx = &vd.ctx;
     let pd = vd.pd.clone();
-    let channel = ctx.create_comp_channel().map_err(e)?;
-    channel.set_nonblocking(true).map_err(e)?;
-    let cq = ctx.create_cq_with_channel(CQ_DEPTH, &channel).map_err(e)?;
-    let depth = (opts.max_in_flight as u32).min(CQ_DEPTH / 2);
-    let mut b = pd
-        .queue_pair(&cq, &cq)
-        .port(port)
-        .max_send_wr(depth)
-        .max_recv_wr(depth)
-        .access(ib::RemoteAccess::WRITE | ib::RemoteAccess::READ | ib::RemoteAccess::ATOMIC);
-    if let Some(g) = gid {
-        b = b.gid_index(g);
-    }
-    let qp = b.build_rc().map_err(e)?;
-    Ok(Prepared {
-        qp,
-        cq,
-        channel,
-        pd,
-    })
+    let depth = (opts.max_in_flight as u32).clamp(1, CQ_DEPTH / 2);
+    let mut seat = vd.seat(depth)?;
+    let qp = {
+        let st = seat.hub.lock();
+        let mut b = pd
+            .queue_pair(&st.cq, &st.cq)
+            .port(port)
+            .max_send_wr(depth)
+            .max_recv_wr(depth)
+            .access(ib::RemoteAccess::WRITE | ib::RemoteAccess::READ | ib::RemoteAccess::ATOMIC);
+        if let Some(g) = gid {
+            b = b.gid_index(g);
+        }
+        b.build_rc().map_err(e)?
+    };
+    let q = qp.qp_num();
+    seat.hub.lock().demux.open(q);
+    seat.qp_num = Some(q);
+    Ok(Prepared { qp, seat, pd })
 }
 
 fn hello(ep: &ib::Endpoint) -> [u8; HELLO_LEN] {
@@ -455,17 +773,7 @@ impl Pending {
             p.qp.connect(&peer)
                 .map_err(|e| Error::Protocol(format!("connecting the queue pair: {e}")))?;
         let s = self.s.try_clone().map_err(|e| Error::io("dup", e))?;
-        finish(
-            Verbs {
-                qp,
-                cq: p.cq,
-                channel: p.channel,
-                _pd: p.pd,
-            },
-            s,
-            domain,
-        )
-        .map(Some)
+        finish(qp, p.seat, p.pd, s, domain).map(Some)
     }
 }
 
@@ -604,17 +912,24 @@ impl Connector for VerbsConnector {
     }
 }
 
-fn finish(v: Verbs, sock: TcpStream, domain: &Domain) -> Result<Box<dyn Transport>> {
+fn finish(
+    qp: ib::QueuePair<ib::Rc>,
+    seat: Seat,
+    pd: ib::ProtectionDomain,
+    sock: TcpStream,
+    domain: &Domain,
+) -> Result<Box<dyn Transport>> {
     let opts = domain.options();
-    let epoll = sys::epoll_of(&[v.channel.as_fd(), sock.as_fd()])?;
     let conn = next_conn_id();
     let caps = Capabilities {
         ordering: MessageOrdering::InOrder,
         one_sided: true,
         atomics: true,
         max_message: opts.max_message.min(1 << 30),
-        max_in_flight: opts.max_in_flight.min(CQ_DEPTH as usize / 2),
-        inline_size: v.qp.max_inline_data() as usize,
+        // Every work request is a tracker slot, so the queue pair never has more
+        // completions pending than its seat in the shared CQ reserved.
+        max_in_flight: opts.max_in_flight.clamp(1, seat.depth as usize),
+        inline_size: qp.max_inline_data() as usize,
         memory_kinds: MemoryKinds::HOST,
         // Tags and grouped receives need matching with eager bounce buffers on verbs:
         // not built yet, so refused (Unsupported) rather than faked.
@@ -627,15 +942,18 @@ fn finish(v: Verbs, sock: TcpStream, domain: &Domain) -> Result<Box<dyn Transpor
         too_long_kills_connection: true,
         remote_error_kills_connection: true,
     };
+    let qp_num = qp.qp_num();
     let hal = VerbsHal {
         conn,
-        v,
+        qp,
+        qp_num,
+        seat,
         sock,
-        epoll,
-        wcs: ib::Completion::buffer(64),
-        stashed: 0,
+        lone: OnceLock::new(),
+        attached: false,
         idle: 0,
         armed: false,
+        _pd: pd,
     };
     Ok(Box::new(Endpoint::in_domain(
         domain.clone(),
@@ -644,23 +962,50 @@ fn finish(v: Verbs, sock: TcpStream, domain: &Domain) -> Result<Box<dyn Transpor
     )))
 }
 
+/// What a connection that sleeps alone (no worker holds it) waits on: an epoll of the
+/// shared CQ's channel, the side-channel socket and its own eventfd (signalled when another
+/// connection polled a completion of this one). Made on first need.
+#[derive(Debug)]
+struct Lone {
+    epoll: OwnedFd,
+    event: Arc<OwnedFd>,
+}
+
+impl Lone {
+    fn new(hub: &Hub, sock: &TcpStream) -> Result<Lone> {
+        let event = sys::eventfd()?;
+        let epoll = sys::epoll_of(&[hub.channel.as_fd(), sock.as_fd(), event.as_fd()])?;
+        Ok(Lone {
+            epoll,
+            event: Arc::new(event),
+        })
+    }
+}
+
+/// One connection: its queue pair (its CQ is the domain's shared one) and side socket.
+/// Field order is drop order: the queue pair before its seat in the CQ.
 struct VerbsHal {
     conn: u64,
-    v: Verbs,
+    qp: ib::QueuePair<ib::Rc>,
+    qp_num: u32,
+    seat: Seat,
     sock: TcpStream,
-    epoll: OwnedFd,
-    wcs: Vec<ib::Completion>,
-    /// Completions `arm` polled (`wcs[..stashed]`), for the next `reap`.
-    stashed: usize,
+    lone: OnceLock<Option<Lone>>,
+    /// A worker holds it (and watches the shared CQ for it).
+    attached: bool,
     idle: u32,
+    /// Its mailbox is watched (`arm` returned true).
     armed: bool,
+    _pd: ib::ProtectionDomain,
 }
 
 impl std::fmt::Debug for VerbsHal {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("VerbsHal")
             .field("conn", &self.conn)
-            .field("v", &self.v)
+            .field("qp_num", &self.qp_num)
+            .field("hub", &self.seat.hub)
+            .field("attached", &self.attached)
             .finish()
     }
 }
@@ -694,7 +1039,7 @@ impl VerbsHal {
         let mut moved = false;
         while let Some(token) = t.recv_front() {
             let slice = Self::local(t, token)?;
-            match self.v.qp.post_recv(slice, token.0) {
+            match self.qp.post_recv(slice, token.0) {
                 Ok(()) => {
                     t.recv_pop();
                     moved = true;
@@ -739,7 +1084,7 @@ impl VerbsHal {
                 },
                 OpDesc::Recv => unreachable!("receives are not submissions"),
             };
-            match self.v.qp.post_send(req.wr_id(token.0)) {
+            match self.qp.post_send(req.wr_id(token.0)) {
                 Ok(()) => {
                     t.submit_pop();
                     moved = true;
@@ -757,47 +1102,63 @@ impl VerbsHal {
         Ok(moved)
     }
 
+    /// Takes this connection's completions: those another connection routed to its
+    /// mailbox, then what the shared CQ holds (routing the others').
     fn reap(&mut self, t: &mut Tracker) -> Result<bool> {
-        let n = match std::mem::take(&mut self.stashed) {
-            0 => self
-                .v
-                .cq
-                .poll(&mut self.wcs)
-                .map_err(|e| Error::Protocol(format!("poll_cq: {e}")))?,
-            stashed => stashed,
-        };
-        for c in &mut self.wcs[..n] {
-            let token = Token(c.wr_id());
-            let status = map_status(c.status());
-            drop(c.take_bufs());
-            let Some(p) = t.get(token) else {
-                continue; // flushed after a local failure: already completed
-            };
-            let (len, value) = match p.desc {
-                OpDesc::Recv => (c.byte_len() as usize, 0),
-                OpDesc::Atomic { .. } => (
-                    8,
-                    if status.is_ok() {
-                        p.buf.read_u64().unwrap_or(0)
-                    } else {
-                        0
-                    },
-                ),
-                _ => (p.buf.len(), 0),
-            };
-            if p.desc == OpDesc::Recv {
-                // A write-imm notification completes a receive with its immediate.
-                let at = crate::tracker::RecvRef { token, part: 0 };
-                t.complete_recv(at, status, len, 0, c.imm());
-            } else {
-                t.complete(token, status, len, value);
-            }
-            if !status.is_ok() && status != Status::MessageTooLong {
-                // The QP is in the error state: everything else will flush.
-                t.fail_all(status, format!("verbs completion error: {}", c.status()));
-            }
+        let me = self.qp_num;
+        let hub = &self.seat.hub;
+        let mut st = hub.lock();
+        let mut n = 0;
+        while let Some(wc) = st.demux.take(me) {
+            complete(t, wc);
+            n += 1;
         }
+        n += st.pump(hub.event.as_fd(), Some(me), &mut |wc| complete(t, wc))?;
         Ok(n > 0)
+    }
+
+    fn lone(&self) -> Option<&Lone> {
+        self.lone
+            .get_or_init(|| Lone::new(&self.seat.hub, &self.sock).ok())
+            .as_ref()
+    }
+
+    fn unwatch(&mut self) {
+        if std::mem::take(&mut self.armed) {
+            self.seat.hub.lock().demux.unwatch(self.qp_num);
+        }
+    }
+}
+
+/// Hands one completion to the tracker.
+fn complete(t: &mut Tracker, wc: Wc) {
+    let token = Token(wc.wr_id);
+    let status = map_status(wc.status);
+    let Some(p) = t.get(token) else {
+        return; // flushed after a local failure: already completed
+    };
+    let (len, value) = match p.desc {
+        OpDesc::Recv => (wc.byte_len as usize, 0),
+        OpDesc::Atomic { .. } => (
+            8,
+            if status.is_ok() {
+                p.buf.read_u64().unwrap_or(0)
+            } else {
+                0
+            },
+        ),
+        _ => (p.buf.len(), 0),
+    };
+    if p.desc == OpDesc::Recv {
+        // A write-imm notification completes a receive with its immediate.
+        let at = crate::tracker::RecvRef { token, part: 0 };
+        t.complete_recv(at, status, len, 0, wc.imm);
+    } else {
+        t.complete(token, status, len, value);
+    }
+    if !status.is_ok() && status != Status::MessageTooLong {
+        // The QP is in the error state: everything else will flush.
+        t.fail_all(status, format!("verbs completion error: {}", wc.status));
     }
 }
 
@@ -806,11 +1167,24 @@ impl Hal for VerbsHal {
         TransportKind::Verbs
     }
 
+    fn attach_worker(&mut self, attached: bool) -> Option<u64> {
+        self.unwatch();
+        self.attached = attached;
+        Some((u64::from(self.seat.hub.index) << 32) | u64::from(self.qp_num))
+    }
+
     fn progress(&mut self, t: &mut Tracker) -> Result<()> {
         if self.armed {
-            self.armed = false;
-            // Acknowledge the channel event, if any (non-blocking).
-            let _ = self.v.channel.get_event();
+            self.unwatch();
+            if !self.attached {
+                // Woken alone: take the channel's event (the worker does that for those
+                // it holds) and our eventfd's signal.
+                if let Some(l) = self.lone() {
+                    sys::eventfd_drain(l.event.as_fd());
+                }
+                let hub = &self.seat.hub;
+                hub.settle(&mut hub.lock())?;
+            }
             self.idle = CHECK_EVERY - 1;
         }
         let mut moved = self.submit(t)?;
@@ -825,7 +1199,7 @@ impl Hal for VerbsHal {
                 self.idle = 0;
                 if sys::peer_hung_up(self.sock.as_fd()) {
                     while self.reap(t)? {}
-                    let _ = self.v.qp.set_error();
+                    let _ = self.qp.set_error();
                     t.fail_all(Status::PeerGone, "verbs peer hung up (side channel closed)");
                 }
             }
@@ -834,25 +1208,120 @@ impl Hal for VerbsHal {
     }
 
     fn wait_fd(&self) -> BorrowedFd<'_> {
-        self.epoll.as_fd()
+        if self.attached {
+            // The worker watches the shared CQ; this fd only tells of a hang-up.
+            return self.sock.as_fd();
+        }
+        match self.lone() {
+            Some(l) => l.epoll.as_fd(),
+            // No fds left for the epoll: `arm` reports it (the socket still tells of a
+            // hang-up).
+            None => self.sock.as_fd(),
+        }
     }
 
     fn arm(&mut self, t: &Tracker) -> Result<bool> {
-        self.v
-            .cq
-            .req_notify(false)
-            .map_err(|e| Error::Protocol(format!("req_notify_cq: {e}")))?;
-        self.armed = true;
-        // A completion that landed before the arm raises no event: look again, in the CQ
-        // too (one reaped since the last poll waits in `wcs` for the next `reap`).
-        if self.stashed == 0 {
-            self.stashed = self
-                .v
-                .cq
-                .poll(&mut self.wcs)
-                .map_err(|e| Error::Protocol(format!("poll_cq: {e}")))?;
+        let watch = if self.attached {
+            Watch::Worker
+        } else {
+            match self.lone() {
+                Some(l) => Watch::Lone(l.event.clone()),
+                None => {
+                    return Err(Error::io(
+                        "verbs wait fd (epoll_create1 / eventfd)",
+                        io::Error::other("could not be created (file descriptor limit?)"),
+                    ))
+                }
+            }
+        };
+        let me = self.qp_num;
+        let hub = &self.seat.hub;
+        let mut st = hub.lock();
+        st.req_notify()?;
+        // A completion that landed before the arm raises no event: route what the CQ has.
+        st.pump(hub.event.as_fd(), None, &mut |_| {})?;
+        if t.ready_len() > 0 || st.demux.has_mail(me) || sys::peer_hung_up(self.sock.as_fd()) {
+            return Ok(false);
         }
-        let work = self.stashed > 0 || t.ready_len() > 0 || sys::peer_hung_up(self.sock.as_fd());
-        Ok(!work)
+        self.armed = st.demux.watch(me, watch);
+        Ok(self.armed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wc(wr_id: u64) -> Wc {
+        Wc {
+            wr_id,
+            status: ib::WcStatus::Success,
+            byte_len: 8,
+            imm: None,
+        }
+    }
+
+    #[test]
+    fn completions_reach_their_queue_pair_in_order() {
+        let mut d = Demux::default();
+        d.open(7);
+        d.open(9);
+        assert!(d.route(7, wc(1)).is_none());
+        assert!(d.route(9, wc(2)).is_none());
+        assert!(d.route(7, wc(3)).is_none());
+        // A closed (or unknown) queue pair's completion is dropped.
+        assert!(d.route(11, wc(4)).is_none());
+        assert_eq!(d.take(7), Some(wc(1)));
+        assert_eq!(d.take(7), Some(wc(3)));
+        assert_eq!(d.take(7), None);
+        assert_eq!(d.take(9), Some(wc(2)));
+        assert_eq!(d.take(11), None);
+    }
+
+    #[test]
+    fn a_watched_mailbox_wakes_its_sleeper_once() {
+        let mut d = Demux::default();
+        d.open(1);
+        d.open(2);
+        d.open(3);
+        assert!(d.watch(1, Watch::Worker));
+        assert!(d.watch(2, Watch::Worker));
+        let fd = Arc::new(sys::eventfd().unwrap());
+        assert!(d.watch(3, Watch::Lone(fd.clone())));
+        assert_eq!(d.watchers, 3);
+        // The first worker wake-up signals, the second only joins the list.
+        assert!(matches!(d.route(2, wc(5)), Some(Wake::Worker)));
+        assert!(d.route(1, wc(6)).is_none());
+        assert_eq!(d.woken, vec![2, 1]);
+        // Woken once: the next completion of the same queue pair signals nobody.
+        assert!(d.route(2, wc(7)).is_none());
+        match d.route(3, wc(8)) {
+            Some(Wake::Lone(f)) => assert!(Arc::ptr_eq(&f, &fd)),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(d.watchers, 0);
+    }
+
+    #[test]
+    fn mail_already_waiting_refuses_the_watch() {
+        let mut d = Demux::default();
+        d.open(4);
+        assert!(d.route(4, wc(1)).is_none());
+        assert!(d.has_mail(4));
+        assert!(!d.watch(4, Watch::Worker));
+        assert_eq!(d.watchers, 0);
+        assert_eq!(d.take(4), Some(wc(1)));
+        assert!(d.watch(4, Watch::Worker));
+        d.unwatch(4);
+        d.unwatch(4);
+        assert_eq!(d.watchers, 0);
+        // Closing a watched, woken queue pair forgets it everywhere.
+        assert!(d.watch(4, Watch::Worker));
+        assert!(d.route(4, wc(2)).is_some());
+        assert!(!d.watch(4, Watch::Worker), "mail waits");
+        d.close(4);
+        assert!(d.woken.is_empty());
+        assert_eq!(d.watchers, 0);
+        assert!(!d.watch(4, Watch::Worker), "no mailbox: nothing to watch");
     }
 }
