@@ -116,6 +116,14 @@ pub struct Options {
     pub unexpected_messages: usize,
     /// Most payload bytes a connection's unexpected queue holds. Default 4 MiB.
     pub unexpected_bytes: usize,
+    /// verbs: bytes of each eager receive buffer (an 8-byte tag header plus the payload);
+    /// 0 (the default, or `FABRIC_VERBS_EAGER_BYTES`) keeps receives zero-copy. When set,
+    /// every message lands in one of the connection's registered bounce buffers and is
+    /// copied into the receive its tag matches (or into the unexpected queue), so tagged
+    /// sends and receives and grouped receives work, a too-long message fails only its
+    /// receive, and the largest message is this less 8 bytes. Both peers must set the
+    /// same value (the handshake refuses a mismatch).
+    pub verbs_eager_bytes: usize,
 }
 
 /// Most parts of one grouped receive (shm, tcp).
@@ -137,6 +145,7 @@ impl Default for Options {
             verbs_gid_index: None,
             unexpected_messages: 1024,
             unexpected_bytes: 4 << 20,
+            verbs_eager_bytes: env_usize("FABRIC_VERBS_EAGER_BYTES").unwrap_or(0),
         }
     }
 }

@@ -342,6 +342,8 @@ struct Wc {
     status: ib::WcStatus,
     byte_len: u32,
     imm: Option<u32>,
+    /// From the receive queue.
+    recv: bool,
 }
 
 /// Who sleeps until a connection's mailbox gets a completion.
@@ -504,12 +506,14 @@ impl HubState {
                 .poll(&mut self.wcs)
                 .map_err(|e| Error::Protocol(format!("poll_cq: {e}")))?;
             for c in &mut self.wcs[..n] {
-                let gone = c.queue().is_none();
+                let queue = c.queue();
+                let gone = queue.is_none();
                 let wc = Wc {
                     wr_id: c.wr_id(),
                     status: c.status(),
                     byte_len: c.byte_len(),
                     imm: c.imm(),
+                    recv: queue == Some(ib::QueueKind::Recv),
                 };
                 let qp = c.qp_num();
                 drop(c.take_bufs());
@@ -653,6 +657,26 @@ struct Prepared {
     qp: ib::PreparedQp<ib::Rc>,
     seat: Seat,
     pd: ib::ProtectionDomain,
+    /// Work requests the tracker may have in flight.
+    depth: u32,
+    /// Bytes of each eager receive buffer (0: receives go straight to the caller's).
+    eager: usize,
+}
+
+/// Eager receive buffers per connection (eager mode).
+const EAGER_SLOTS: u32 = 32;
+/// The tag header in front of every eager message.
+const TAG_HEADER: usize = 8;
+
+fn eager_bytes(opts: &Options) -> Result<usize> {
+    match opts.verbs_eager_bytes {
+        0 => Ok(0),
+        n if n <= TAG_HEADER || n > 1 << 30 => Err(Error::InvalidArgument(format!(
+            "Options::verbs_eager_bytes {n}: 0 (off) or {} to 2^30",
+            TAG_HEADER + 1
+        ))),
+        n => Ok(n),
+    }
 }
 
 fn prepare(domain: &Domain) -> Result<Prepared> {
@@ -662,14 +686,18 @@ fn prepare(domain: &Domain) -> Result<Prepared> {
     let e = |e: ib::Error| unavailable(e.to_string());
     let pd = vd.pd.clone();
     let depth = (opts.max_in_flight as u32).clamp(1, CQ_DEPTH / 2);
-    let mut seat = vd.seat(depth)?;
+    let eager = eager_bytes(opts)?;
+    // Eager mode: the receive queue holds the bounce buffers, not the caller's receives.
+    let recv_wr = if eager > 0 { EAGER_SLOTS } else { depth };
+    let mut seat = vd.seat(depth + if eager > 0 { EAGER_SLOTS } else { 0 })?;
     let qp = {
         let st = seat.hub.lock();
         let mut b = pd
             .queue_pair(&st.cq, &st.cq)
             .port(port)
             .max_send_wr(depth)
-            .max_recv_wr(depth)
+            .max_recv_wr(recv_wr)
+            .max_sge(2, 1)
             .access(ib::RemoteAccess::WRITE | ib::RemoteAccess::READ | ib::RemoteAccess::ATOMIC);
         if let Some(g) = gid {
             b = b.gid_index(g);
@@ -679,14 +707,29 @@ fn prepare(domain: &Domain) -> Result<Prepared> {
     let q = qp.qp_num();
     seat.hub.lock().demux.open(q);
     seat.qp_num = Some(q);
-    Ok(Prepared { qp, seat, pd })
+    Ok(Prepared {
+        qp,
+        seat,
+        pd,
+        depth,
+        eager,
+    })
 }
 
-fn hello(ep: &ib::Endpoint) -> [u8; HELLO_LEN] {
+/// The hello: magic, this side's eager buffer bytes (0: off), the queue pair's endpoint.
+fn hello(ep: &ib::Endpoint, eager: usize) -> [u8; HELLO_LEN] {
     let mut b = [0u8; HELLO_LEN];
     b[..8].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
+    b[8..16].copy_from_slice(&(eager as u64).to_le_bytes());
     b[16..].copy_from_slice(&ep.to_bytes());
     b
+}
+
+/// The peer's eager buffer bytes from its (already decoded) hello.
+fn hello_eager(b: &[u8]) -> u64 {
+    let mut v = [0u8; 8];
+    v.copy_from_slice(&b[8..16]);
+    u64::from_le_bytes(v)
 }
 
 /// Decodes the side-channel hello into the peer's queue-pair endpoint.
@@ -750,7 +793,7 @@ impl Pending {
             .map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
         let _ = s.set_nodelay(true);
         let prepared = prepare(domain)?;
-        let mine = hello(&prepared.qp.endpoint());
+        let mine = hello(&prepared.qp.endpoint(), prepared.eager);
         Ok(Pending {
             s,
             prepared: Some(prepared),
@@ -769,11 +812,32 @@ impl Pending {
             return Ok(None);
         };
         let p = self.prepared.take().expect("prepared once");
-        let qp =
-            p.qp.connect(&peer)
-                .map_err(|e| Error::Protocol(format!("connecting the queue pair: {e}")))?;
+        let theirs = hello_eager(&self.got);
+        if theirs != p.eager as u64 {
+            return Err(Error::Protocol(format!(
+                "the verbs peers disagree on Options::verbs_eager_bytes (here {}, there \
+                 {theirs}): both must set the same value",
+                p.eager
+            )));
+        }
+        let Prepared {
+            qp,
+            seat,
+            pd,
+            depth,
+            eager,
+        } = p;
+        let qp = qp
+            .connect(&peer)
+            .map_err(|e| Error::Protocol(format!("connecting the queue pair: {e}")))?;
         let s = self.s.try_clone().map_err(|e| Error::io("dup", e))?;
-        finish(qp, p.seat, p.pd, s, domain).map(Some)
+        let setup = Setup {
+            seat,
+            pd,
+            depth,
+            eager,
+        };
+        finish(qp, setup, s, domain).map(Some)
     }
 }
 
@@ -912,54 +976,196 @@ impl Connector for VerbsConnector {
     }
 }
 
-fn finish(
-    qp: ib::QueuePair<ib::Rc>,
+/// What a connected queue pair needs from its preparation.
+struct Setup {
     seat: Seat,
     pd: ib::ProtectionDomain,
+    depth: u32,
+    eager: usize,
+}
+
+fn finish(
+    mut qp: ib::QueuePair<ib::Rc>,
+    p: Setup,
     sock: TcpStream,
     domain: &Domain,
 ) -> Result<Box<dyn Transport>> {
     let opts = domain.options();
     let conn = next_conn_id();
+    let eager = p.eager > 0;
+    let mut max_message = opts.max_message.min(1 << 30);
+    if eager {
+        max_message = max_message.min(p.eager - TAG_HEADER);
+    }
     let caps = Capabilities {
         ordering: MessageOrdering::InOrder,
         one_sided: true,
         atomics: true,
-        max_message: opts.max_message.min(1 << 30),
+        max_message,
         // Every work request is a tracker slot, so the queue pair never has more
         // completions pending than its seat in the shared CQ reserved.
-        max_in_flight: opts.max_in_flight.clamp(1, seat.depth as usize),
+        max_in_flight: opts.max_in_flight.clamp(1, p.depth as usize),
         inline_size: qp.max_inline_data() as usize,
         memory_kinds: MemoryKinds::HOST,
-        // Tags and grouped receives need matching with eager bounce buffers on verbs:
-        // not built yet, so refused (Unsupported) rather than faked.
-        tagged: false,
-        max_group: 0,
+        // Tags and grouped receives need the eager mode (matching after the bytes landed
+        // in a bounce buffer); without it they are refused (Unsupported), not faked.
+        tagged: eager,
+        max_group: if eager { super::MAX_GROUP } else { 0 },
         write_imm: true,
-        unexpected_messages: 0,
-        unexpected_bytes: 0,
-        // RC: a local length error and a remote access error move the QP to ERR.
-        too_long_kills_connection: true,
+        unexpected_messages: if eager { opts.unexpected_messages } else { 0 },
+        unexpected_bytes: if eager { opts.unexpected_bytes } else { 0 },
+        // RC: a local length error moves the QP to ERR; in eager mode the bounce buffer
+        // always fits (the sender's max_message), and only the receive fails.
+        too_long_kills_connection: !eager,
         remote_error_kills_connection: true,
+    };
+    let eager = if eager {
+        let e = Eager {
+            rx: domain.register(EAGER_SLOTS as usize * p.eager, Access::LOCAL_WRITE)?,
+            size: p.eager,
+            hdr: domain.register(caps.max_in_flight * TAG_HEADER, Access::empty())?,
+            held: VecDeque::new(),
+        };
+        for i in 0..EAGER_SLOTS as usize {
+            post_bounce(&mut qp, &e, i)?;
+        }
+        Some(e)
+    } else {
+        None
     };
     let qp_num = qp.qp_num();
     let hal = VerbsHal {
         conn,
         qp,
         qp_num,
-        seat,
+        eager,
+        seat: p.seat,
         sock,
         lone: OnceLock::new(),
         attached: false,
         idle: 0,
         armed: false,
-        _pd: pd,
+        _pd: p.pd,
     };
     Ok(Box::new(Endpoint::in_domain(
         domain.clone(),
         Tracker::new(domain.id(), TransportKind::Verbs, caps),
         hal,
     )))
+}
+
+/// Eager mode: the receive queue holds [`EAGER_SLOTS`] bounce buffers; each message lands
+/// in one (an 8-byte tag, then the payload), is matched by the tracker and copied into
+/// its receive (or into the unexpected queue), and the buffer is posted again. A message
+/// that cannot be placed yet (no receive posted; unexpected queue full) keeps its buffer
+/// (`held`, in arrival order) until it can: with every buffer held the sender waits
+/// (receiver not ready), as a tcp frame waits on the wire.
+#[derive(Debug)]
+struct Eager {
+    rx: Region,
+    size: usize,
+    /// One tag header per tracker slot (a send's slot index picks it).
+    hdr: Region,
+    held: VecDeque<(usize, Wc)>,
+}
+
+fn post_bounce(qp: &mut ib::QueuePair<ib::Rc>, e: &Eager, i: usize) -> Result<()> {
+    let b = backing_of(&e.rx).ok_or(Error::Foreign("eager buffers without a registration"))?;
+    let slice = b
+        .full
+        .slice(i * e.size..(i + 1) * e.size)
+        .map_err(|e| Error::Protocol(e.to_string()))?;
+    qp.post_recv(slice, i as u64)
+        .map_err(|e| Error::Protocol(format!("post_recv (eager buffer): {}", e.error)))
+}
+
+/// Places the message in bounce buffer `i` (completion `wc`): `false` when it must wait.
+fn place(t: &mut Tracker, e: &Eager, i: usize, wc: Wc) -> bool {
+    let total = wc.byte_len as usize;
+    if let Some(imm) = wc.imm {
+        // A write-imm notification (no payload here): a receive matching tag 0 takes it.
+        match t.match_message(0) {
+            Some(at) => {
+                t.complete_recv(at, Status::Success, total, 0, Some(imm));
+            }
+            None => {
+                if !t.has_posted_recv() || t.stash_begin(0, Some(imm), total, 0).is_none() {
+                    return false;
+                }
+                t.stash_end();
+            }
+        }
+        return true;
+    }
+    if total < TAG_HEADER || total > e.size {
+        t.fail_all(
+            Status::ProtocolError,
+            "verbs eager message without its tag header",
+        );
+        return true;
+    }
+    // SAFETY: bounce buffer `i` (inside the region: `total <= size`) has completed and is
+    // not posted again before this borrow ends, so the NIC does not write it; `e.rx` keeps
+    // the memory alive; nothing else writes it.
+    let bytes = unsafe { std::slice::from_raw_parts(e.rx.base().add(i * e.size), total) };
+    let mut tag = [0u8; TAG_HEADER];
+    tag.copy_from_slice(&bytes[..TAG_HEADER]);
+    let tag = u64::from_le_bytes(tag);
+    let payload = &bytes[TAG_HEADER..];
+    let len = payload.len();
+    match t.match_message(tag) {
+        Some(at) => {
+            let status = match t.recv_buf(at) {
+                Some(buf) if len > buf.len() => Status::MessageTooLong,
+                Some(buf) if buf.copy_from(payload).is_ok() => Status::Success,
+                _ => Status::ProtocolError,
+            };
+            t.complete_recv(at, status, len, tag, None);
+        }
+        None => {
+            if !t.has_posted_recv() || t.stash_begin(tag, None, len, len).is_none() {
+                return false;
+            }
+            t.stash_fill(0, payload);
+            t.stash_end();
+        }
+    }
+    true
+}
+
+/// A receive-queue completion in eager mode.
+fn on_bounce(t: &mut Tracker, e: &mut Eager, qp: &mut ib::QueuePair<ib::Rc>, wc: Wc) {
+    let i = wc.wr_id as usize;
+    if wc.status != ib::WcStatus::Success {
+        if wc.status != ib::WcStatus::WrFlush {
+            t.fail_all(
+                map_status(wc.status),
+                format!("verbs completion error: {}", wc.status),
+            );
+        }
+        return;
+    }
+    if !e.held.is_empty() || !place(t, e, i, wc) {
+        e.held.push_back((i, wc));
+        return;
+    }
+    if let Err(err) = post_bounce(qp, e, i) {
+        t.fail_all(Status::ProtocolError, err.to_string());
+    }
+}
+
+/// Places held messages that can go now (a receive was posted, the queue made room).
+fn run_held(t: &mut Tracker, e: &mut Eager, qp: &mut ib::QueuePair<ib::Rc>) -> Result<bool> {
+    let mut moved = false;
+    while let Some(&(i, wc)) = e.held.front() {
+        if !place(t, e, i, wc) {
+            break;
+        }
+        e.held.pop_front();
+        post_bounce(qp, e, i)?;
+        moved = true;
+    }
+    Ok(moved)
 }
 
 /// What a connection that sleeps alone (no worker holds it) waits on: an epoll of the
@@ -988,6 +1194,8 @@ struct VerbsHal {
     conn: u64,
     qp: ib::QueuePair<ib::Rc>,
     qp_num: u32,
+    /// Eager mode's buffers (after the queue pair: dropped once it is destroyed).
+    eager: Option<Eager>,
     seat: Seat,
     sock: TcpStream,
     lone: OnceLock<Option<Lone>>,
@@ -1037,7 +1245,10 @@ impl VerbsHal {
 
     fn submit(&mut self, t: &mut Tracker) -> Result<bool> {
         let mut moved = false;
-        while let Some(token) = t.recv_front() {
+        if let Some(e) = self.eager.as_mut() {
+            moved |= run_held(t, e, &mut self.qp)?;
+        }
+        while let Some(token) = t.recv_front().filter(|_| self.eager.is_none()) {
             let slice = Self::local(t, token)?;
             match self.qp.post_recv(slice, token.0) {
                 Ok(()) => {
@@ -1050,9 +1261,9 @@ impl VerbsHal {
         }
         while let Some(token) = t.submit_front() {
             let slice = Self::local(t, token)?;
-            let (desc, imm) = {
+            let (desc, imm, tag) = {
                 let p = t.live(token, "verbs submission")?;
-                (p.desc, p.imm)
+                (p.desc, p.imm, p.tag)
             };
             let remote = |key: &crate::RemoteKey, off: u64, len: u64| ib::RemoteMemory {
                 addr: key.addr + off,
@@ -1060,7 +1271,10 @@ impl VerbsHal {
                 rkey: key.rkey,
             };
             let req = match desc {
-                OpDesc::Send => ib::SendRequest::send(slice),
+                OpDesc::Send => match &self.eager {
+                    None => ib::SendRequest::send(slice),
+                    Some(e) => ib::SendRequest::send(tagged(e, token, tag, slice)?),
+                },
                 OpDesc::Write { key, off } => {
                     let l = slice.len() as u64;
                     let w = ib::SendRequest::write(slice, remote(&key, off, l));
@@ -1106,14 +1320,21 @@ impl VerbsHal {
     /// mailbox, then what the shared CQ holds (routing the others').
     fn reap(&mut self, t: &mut Tracker) -> Result<bool> {
         let me = self.qp_num;
-        let hub = &self.seat.hub;
+        let VerbsHal {
+            seat, eager, qp, ..
+        } = self;
+        let hub = &seat.hub;
         let mut st = hub.lock();
         let mut n = 0;
+        let mut on = |wc: Wc| match eager.as_mut() {
+            Some(e) if wc.recv => on_bounce(t, e, qp, wc),
+            _ => complete(t, wc),
+        };
         while let Some(wc) = st.demux.take(me) {
-            complete(t, wc);
+            on(wc);
             n += 1;
         }
-        n += st.pump(hub.event.as_fd(), Some(me), &mut |wc| complete(t, wc))?;
+        n += st.pump(hub.event.as_fd(), Some(me), &mut on)?;
         Ok(n > 0)
     }
 
@@ -1128,6 +1349,25 @@ impl VerbsHal {
             self.seat.hub.lock().demux.unwatch(self.qp_num);
         }
     }
+}
+
+/// The scatter list of an eager-mode send: its tag header (in the slot's header cell),
+/// then the payload.
+fn tagged(e: &Eager, token: Token, tag: u64, payload: ib::MrSlice) -> Result<ib::SgList> {
+    let at = (token.0 & u64::from(u32::MAX)) as usize * TAG_HEADER;
+    e.hdr.write_at(at, &tag.to_le_bytes())?;
+    let b = backing_of(&e.hdr).ok_or(Error::Foreign("tag headers without a registration"))?;
+    let h = b
+        .full
+        .slice(at..at + TAG_HEADER)
+        .map_err(|e| Error::Protocol(e.to_string()))?;
+    let mut sg = ib::SgList::new();
+    let full = |_| Error::Protocol("verbs send: scatter list full".into());
+    sg.push(h).map_err(full)?;
+    if !payload.is_empty() {
+        sg.push(payload).map_err(full)?;
+    }
+    Ok(sg)
 }
 
 /// Hands one completion to the tracker.
@@ -1258,6 +1498,7 @@ mod tests {
             status: ib::WcStatus::Success,
             byte_len: 8,
             imm: None,
+            recv: false,
         }
     }
 
