@@ -129,6 +129,9 @@ pub const EPOLL_EVERY: u32 = 16;
 /// in the domain) rather than an endpoint's own fd.
 const SHARED_TAG: u64 = 1 << 40;
 
+/// Process-unique worker ids (a shared completion queue's wake-ups name their worker).
+static NEXT_WORKER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
 /// Bits of an [`EndpointId`] that hold its index; the rest is a generation.
 const INDEX_BITS: u32 = 24;
 const INDEX_MASK: u32 = (1 << INDEX_BITS) - 1;
@@ -219,6 +222,7 @@ struct Slot {
 /// One progress engine for many endpoints of one [`Domain`]: see the [module
 /// docs](self).
 pub struct Worker {
+    id: u64,
     domain: Domain,
     epoll: OwnedFd,
     slots: Vec<Option<Slot>>,
@@ -297,6 +301,7 @@ impl Worker {
         // SAFETY: a fresh descriptor nothing else owns.
         let epoll = unsafe { OwnedFd::from_raw_fd(fd) };
         Ok(Worker {
+            id: NEXT_WORKER.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             domain: domain.clone(),
             epoll,
             slots: Vec::new(),
@@ -346,7 +351,7 @@ impl Worker {
         let mut t = t;
         // An endpoint on a shared completion queue: its fd now tells only of a hang-up, and
         // the queue is watched once for all of them.
-        let key = t.attach_worker(true);
+        let key = t.attach_worker(Some(self.id));
         let watched = match key {
             Some(k) => self.watch_shared((k >> 32) as u32),
             None => Ok(()),
@@ -360,7 +365,7 @@ impl Worker {
             )
         }) {
             if key.is_some() {
-                t.attach_worker(false);
+                t.attach_worker(None);
             }
             self.free.push(Reverse(index));
             return Err(e);
@@ -515,7 +520,7 @@ impl Worker {
         let index = ep.index();
         let mut s = self.slots[index].take().expect("checked above");
         if let Some(k) = s.key {
-            s.t.attach_worker(false);
+            s.t.attach_worker(None);
             self.keys.remove(&k);
         }
         match s.state {
@@ -600,7 +605,7 @@ impl Worker {
         let Some(q) = self.shared.get(i).and_then(|w| w.as_ref()?.upgrade()) else {
             return Ok(());
         };
-        q.drive(&mut self.woken)?;
+        q.drive(self.id, &mut self.woken)?;
         let mut woken = std::mem::take(&mut self.woken);
         for k in woken.drain(..) {
             if let Some(&index) = self.keys.get(&k) {

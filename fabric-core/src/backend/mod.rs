@@ -261,8 +261,9 @@ pub(crate) trait SharedCompletions: Send + Sync + fmt::Debug {
     /// (level-triggered: readable until [`drive`](Self::drive) ran).
     fn wake_fds(&self) -> Vec<BorrowedFd<'_>>;
     /// Acknowledges the wake-up, moves completions to their connections and appends the
-    /// keys of armed, attached connections that now have work to `woken`.
-    fn drive(&self, woken: &mut Vec<u64>) -> Result<()>;
+    /// keys of armed connections attached to `worker` that now have work to `woken` (those
+    /// of other workers stay for them, and keep the fds readable).
+    fn drive(&self, worker: u64, woken: &mut Vec<u64>) -> Result<()>;
 }
 
 /// What a backend implements: moving bytes. Everything it is handed was validated by the
@@ -281,7 +282,7 @@ pub(crate) trait Hal: Send + fmt::Debug {
         })
     }
     /// See [`Transport::attach_worker`].
-    fn attach_worker(&mut self, _attached: bool) -> Option<u64> {
+    fn attach_worker(&mut self, _worker: Option<u64>) -> Option<u64> {
         None
     }
     /// Moves queued operations and incoming data; reports completions to `t`.
@@ -417,8 +418,8 @@ impl<H: Hal> Transport for Endpoint<H> {
     fn wait_fd(&self) -> BorrowedFd<'_> {
         self.h.wait_fd()
     }
-    fn attach_worker(&mut self, attached: bool) -> Option<u64> {
-        self.h.attach_worker(attached)
+    fn attach_worker(&mut self, worker: Option<u64>) -> Option<u64> {
+        self.h.attach_worker(worker)
     }
     fn arm(&mut self) -> Result<bool> {
         if self.t.ready_len() > 0 || self.t.failure().is_some() {

@@ -352,8 +352,8 @@ enum Watch {
     /// Nobody (the connection is being polled).
     #[default]
     None,
-    /// The worker that holds the connection (woken through the queue's eventfd).
-    Worker,
+    /// The worker (by id) that holds the connection (woken through the queue's eventfd).
+    Worker(u64),
     /// The connection alone, through its own eventfd.
     Lone(Arc<OwnedFd>),
 }
@@ -361,7 +361,7 @@ enum Watch {
 /// Whom a routed completion wakes.
 #[derive(Debug)]
 enum Wake {
-    Worker,
+    Hub,
     Lone(Arc<OwnedFd>),
 }
 
@@ -377,8 +377,8 @@ struct Mailbox {
 #[derive(Debug, Default)]
 struct Demux {
     boxes: HashMap<u32, Mailbox>,
-    /// Queue pairs watched by the worker that got a completion.
-    woken: Vec<u32>,
+    /// Queue pairs watched by a worker (its id first) that got a completion.
+    woken: Vec<(u64, u32)>,
     /// Mailboxes whose watch is not `None` (the CQ must stay armed while some are).
     watchers: usize,
 }
@@ -395,7 +395,7 @@ impl Demux {
                 self.watchers -= 1;
             }
         }
-        self.woken.retain(|&k| k != qp);
+        self.woken.retain(|&(_, k)| k != qp);
     }
 
     /// Queues a completion of `qp` (dropped when no connection has that queue pair: a
@@ -405,11 +405,11 @@ impl Demux {
         b.q.push_back(wc);
         match std::mem::take(&mut b.watch) {
             Watch::None => None,
-            Watch::Worker => {
+            Watch::Worker(w) => {
                 self.watchers -= 1;
                 let first = self.woken.is_empty();
-                self.woken.push(qp);
-                first.then_some(Wake::Worker)
+                self.woken.push((w, qp));
+                first.then_some(Wake::Hub)
             }
             Watch::Lone(fd) => {
                 self.watchers -= 1;
@@ -486,7 +486,7 @@ impl std::fmt::Debug for Hub {
 
 fn signal(w: Wake, hub_event: BorrowedFd<'_>) {
     match w {
-        Wake::Worker => sys::eventfd_signal(hub_event),
+        Wake::Hub => sys::eventfd_signal(hub_event),
         Wake::Lone(fd) => sys::eventfd_signal(fd.as_fd()),
     }
 }
@@ -571,12 +571,21 @@ impl SharedCompletions for Hub {
         vec![self.channel.as_fd(), self.event.as_fd()]
     }
 
-    fn drive(&self, woken: &mut Vec<u64>) -> Result<()> {
+    fn drive(&self, worker: u64, woken: &mut Vec<u64>) -> Result<()> {
         let mut st = self.lock();
         sys::eventfd_drain(self.event.as_fd());
         self.settle(&mut st)?;
         let base = u64::from(self.index) << 32;
-        woken.extend(st.demux.woken.drain(..).map(|q| base | u64::from(q)));
+        st.demux.woken.retain(|&(w, q)| {
+            if w == worker {
+                woken.push(base | u64::from(q));
+            }
+            w != worker
+        });
+        if !st.demux.woken.is_empty() {
+            // Another worker's: it watches the same eventfd.
+            sys::eventfd_signal(self.event.as_fd());
+        }
         Ok(())
     }
 }
@@ -1042,7 +1051,7 @@ fn finish(
         seat: p.seat,
         sock,
         lone: OnceLock::new(),
-        attached: false,
+        attached: None,
         idle: 0,
         armed: false,
         _pd: p.pd,
@@ -1199,8 +1208,8 @@ struct VerbsHal {
     seat: Seat,
     sock: TcpStream,
     lone: OnceLock<Option<Lone>>,
-    /// A worker holds it (and watches the shared CQ for it).
-    attached: bool,
+    /// The worker that holds it (and watches the shared CQ for it).
+    attached: Option<u64>,
     idle: u32,
     /// Its mailbox is watched (`arm` returned true).
     armed: bool,
@@ -1407,16 +1416,16 @@ impl Hal for VerbsHal {
         TransportKind::Verbs
     }
 
-    fn attach_worker(&mut self, attached: bool) -> Option<u64> {
+    fn attach_worker(&mut self, worker: Option<u64>) -> Option<u64> {
         self.unwatch();
-        self.attached = attached;
+        self.attached = worker;
         Some((u64::from(self.seat.hub.index) << 32) | u64::from(self.qp_num))
     }
 
     fn progress(&mut self, t: &mut Tracker) -> Result<()> {
         if self.armed {
             self.unwatch();
-            if !self.attached {
+            if self.attached.is_none() {
                 // Woken alone: take the channel's event (the worker does that for those
                 // it holds) and our eventfd's signal.
                 if let Some(l) = self.lone() {
@@ -1448,7 +1457,7 @@ impl Hal for VerbsHal {
     }
 
     fn wait_fd(&self) -> BorrowedFd<'_> {
-        if self.attached {
+        if self.attached.is_some() {
             // The worker watches the shared CQ; this fd only tells of a hang-up.
             return self.sock.as_fd();
         }
@@ -1461,8 +1470,8 @@ impl Hal for VerbsHal {
     }
 
     fn arm(&mut self, t: &Tracker) -> Result<bool> {
-        let watch = if self.attached {
-            Watch::Worker
+        let watch = if let Some(w) = self.attached {
+            Watch::Worker(w)
         } else {
             match self.lone() {
                 Some(l) => Watch::Lone(l.event.clone()),
@@ -1525,15 +1534,15 @@ mod tests {
         d.open(1);
         d.open(2);
         d.open(3);
-        assert!(d.watch(1, Watch::Worker));
-        assert!(d.watch(2, Watch::Worker));
+        assert!(d.watch(1, Watch::Worker(1)));
+        assert!(d.watch(2, Watch::Worker(1)));
         let fd = Arc::new(sys::eventfd().unwrap());
         assert!(d.watch(3, Watch::Lone(fd.clone())));
         assert_eq!(d.watchers, 3);
         // The first worker wake-up signals, the second only joins the list.
-        assert!(matches!(d.route(2, wc(5)), Some(Wake::Worker)));
+        assert!(matches!(d.route(2, wc(5)), Some(Wake::Hub)));
         assert!(d.route(1, wc(6)).is_none());
-        assert_eq!(d.woken, vec![2, 1]);
+        assert_eq!(d.woken, vec![(1, 2), (1, 1)]);
         // Woken once: the next completion of the same queue pair signals nobody.
         assert!(d.route(2, wc(7)).is_none());
         match d.route(3, wc(8)) {
@@ -1544,25 +1553,40 @@ mod tests {
     }
 
     #[test]
+    fn each_worker_is_told_only_of_its_own_endpoints() {
+        let mut d = Demux::default();
+        d.open(1);
+        d.open(2);
+        assert!(d.watch(1, Watch::Worker(10)));
+        assert!(d.watch(2, Watch::Worker(20)));
+        assert!(matches!(d.route(1, wc(1)), Some(Wake::Hub)));
+        assert!(d.route(2, wc(2)).is_none());
+        assert_eq!(d.woken, vec![(10, 1), (20, 2)]);
+    }
+
+    #[test]
     fn mail_already_waiting_refuses_the_watch() {
         let mut d = Demux::default();
         d.open(4);
         assert!(d.route(4, wc(1)).is_none());
         assert!(d.has_mail(4));
-        assert!(!d.watch(4, Watch::Worker));
+        assert!(!d.watch(4, Watch::Worker(1)));
         assert_eq!(d.watchers, 0);
         assert_eq!(d.take(4), Some(wc(1)));
-        assert!(d.watch(4, Watch::Worker));
+        assert!(d.watch(4, Watch::Worker(1)));
         d.unwatch(4);
         d.unwatch(4);
         assert_eq!(d.watchers, 0);
         // Closing a watched, woken queue pair forgets it everywhere.
-        assert!(d.watch(4, Watch::Worker));
+        assert!(d.watch(4, Watch::Worker(1)));
         assert!(d.route(4, wc(2)).is_some());
-        assert!(!d.watch(4, Watch::Worker), "mail waits");
+        assert!(!d.watch(4, Watch::Worker(1)), "mail waits");
         d.close(4);
         assert!(d.woken.is_empty());
         assert_eq!(d.watchers, 0);
-        assert!(!d.watch(4, Watch::Worker), "no mailbox: nothing to watch");
+        assert!(
+            !d.watch(4, Watch::Worker(1)),
+            "no mailbox: nothing to watch"
+        );
     }
 }
