@@ -65,8 +65,11 @@
 //!   fd (`EPOLLONESHOT`, re-enabled after the arm). `poll` does not touch it; it comes back to
 //!   the active queue when `epoll_wait` reports it. This is how an idle endpoint with a
 //!   posted receive is found: shm's peer signals its eventfd when it publishes a record to a
-//!   side that armed, tcp's socket becomes readable, verbs' CQ raises a channel event; a
-//!   peer that dies hangs up the endpoint's socket, which its epoll also watches. An active
+//!   side that armed, tcp's socket becomes readable; verbs endpoints share their domain's
+//!   completion queue, which the worker watches once (its channel and eventfd), and the
+//!   queue names the endpoints that got work (an endpoint's own fd, its side socket, only
+//!   tells of a hang-up). A peer that dies hangs up the endpoint's socket, which the
+//!   epoll also watches. An active
 //!   endpoint that gave no completion for [`PARK_AFTER`] polls is armed and parked by `poll`
 //!   itself; [`Worker::arm`] parks every active endpoint at once.
 //! * **dormant** — its `arm` returned `false` ("there is work") although nothing of the

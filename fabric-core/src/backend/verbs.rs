@@ -7,11 +7,28 @@
 //!   asked); its remote key carries the verbs `addr` and `rkey`. The NIC does the
 //!   target-side checks (rkey, bounds, access).
 //! * Operations map one to one: SEND / RECV, RDMA WRITE / READ, CAS / FAA; the tracker's
-//!   slot token is the `wr_id`. One CQ per connection with a completion channel: the wait
-//!   fd is an epoll of the channel and the side-channel socket.
-//! * Not emulated (capabilities say so): a message longer than the posted receive fails
-//!   the receive with [`Status::MessageTooLong`] *and* moves the queue pair to the error
-//!   state (RC semantics), so the connection is lost — unlike shm and tcp.
+//!   slot token is the `wr_id`.
+//! * One CQ for many connections: the queue pairs of a domain share a completion queue and
+//!   its channel (a `Hub`; another one only once a CQ's entries — `max_cqe`, at most
+//!   65,536 — are all reserved, each queue pair reserving its depth). Whoever polls it
+//!   hands completions of other queue pairs to their mailbox (by `qp_num`; late flushes of
+//!   destroyed queue pairs are recognised and dropped). A [`Worker`](crate::Worker) watches
+//!   each shared CQ once (its channel, and an eventfd for completions another connection
+//!   polled) and wakes exactly the endpoints that got work; an endpoint it holds costs a
+//!   queue pair and its side socket. A connection used alone waits on an epoll of the
+//!   channel, its socket and its own eventfd, made on first need. The lock around the CQ
+//!   is uncontended unless connections of one domain are polled from several threads.
+//!   Not built: a shared receive queue (SRQ) per domain; the mailboxes already route by
+//!   `qp_num`, so receives posted to an SRQ would complete through the same path, and the
+//!   eager mode's bounce buffers are what would move there.
+//! * Eager mode ([`Options::verbs_eager_bytes`], both peers alike, agreed in the hello):
+//!   messages land in registered bounce buffers with an 8-byte tag header and are matched
+//!   by the tracker, so tags, grouped receives and the unexpected queue work as on shm and
+//!   tcp, at the price of one copy per received message.
+//! * Not emulated (capabilities say so): without eager mode, a message longer than the
+//!   posted receive fails the receive with [`Status::MessageTooLong`] *and* moves the queue
+//!   pair to the error state (RC semantics), so the connection is lost — unlike shm and
+//!   tcp.
 #![allow(unsafe_code)]
 
 use std::collections::{HashMap, VecDeque};
