@@ -45,11 +45,12 @@ use super::{
 };
 use crate::domain::{Domain, DomainBackend, MemorySupport, Registered};
 use crate::error::{Error, Result};
-use crate::region::{Access, Region};
+use crate::region::{Access, Buf, Region};
 use crate::sys;
 use crate::tracker::{OpDesc, Token, Tracker};
 use crate::transport::{
-    AtomicOp, Capabilities, MemoryKinds, MessageOrdering, Status, Transport, TransportKind,
+    AtomicOp, Capabilities, MemoryKinds, MessageOrdering, PostError, PostResult, Status, Transport,
+    TransportKind,
 };
 
 /// The registry entry.
@@ -74,6 +75,8 @@ struct VerbsDomain {
     /// The CQs its connections share (a new one when all are full; freed with their last
     /// connection).
     hubs: Mutex<Vec<Weak<Hub>>>,
+    /// The queue pair connected to itself that flushes read through (made on first need).
+    loopback: Mutex<Option<Loopback>>,
 }
 
 impl std::fmt::Debug for VerbsDomain {
@@ -103,6 +106,7 @@ impl VerbsDomain {
             gid,
             max_cqe,
             hubs: Mutex::new(Vec::new()),
+            loopback: Mutex::new(None),
         })
     }
 }
@@ -678,6 +682,81 @@ impl VerbsDomain {
     }
 }
 
+/// How long a flush waits for its loopback read.
+const FLUSH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// A queue pair connected to itself, with its own CQ and an 8-byte host landing area: a
+/// flush is an RDMA READ through it of one byte of the flushed memory, after which the
+/// NIC's earlier writes there are visible (the PCIe read orders them; NCCL flushes
+/// GPUDirect receives the same way).
+struct Loopback {
+    qp: ib::QueuePair<ib::Rc>,
+    cq: ib::CompletionQueue,
+    wcs: Vec<ib::Completion>,
+    scratch: ib::MemoryRegion<Vec<u8>, ib::Local>,
+}
+
+impl VerbsDomain {
+    fn make_loopback(&self) -> Result<Loopback> {
+        let e = |e: ib::Error| unavailable(format!("flush queue pair: {e}"));
+        let cq = self.ctx.create_cq(4).map_err(e)?;
+        let mut b = self
+            .pd
+            .queue_pair(&cq, &cq)
+            .port(self.port)
+            .max_send_wr(1)
+            .max_recv_wr(1);
+        if let Some(g) = self.gid {
+            b = b.gid_index(g);
+        }
+        let prepared = b.build_rc().map_err(e)?;
+        let me = prepared.endpoint();
+        let qp = prepared.connect(&me).map_err(e)?;
+        let scratch = self.pd.register(vec![0u8; 8]).map_err(e)?;
+        Ok(Loopback {
+            qp,
+            cq,
+            wcs: ib::Completion::buffer(4),
+            scratch,
+        })
+    }
+
+    /// Reads one byte at `addr` (`rkey`) through the loopback queue pair and waits for it.
+    fn flush_read(&self, addr: u64, rkey: u32) -> Result<()> {
+        let mut g = self.loopback.lock().unwrap_or_else(|e| e.into_inner());
+        if g.is_none() {
+            *g = Some(self.make_loopback()?);
+        }
+        let lb = g.as_mut().expect("made above");
+        let fail = |what: String| Error::Protocol(format!("verbs flush: {what}"));
+        let s = lb.scratch.slice(..1).map_err(|e| fail(e.to_string()))?;
+        let req = ib::SendRequest::read(s, ib::RemoteMemory { addr, len: 1, rkey }).wr_id(1);
+        if let Err(e) = lb.qp.post_send(req) {
+            *g = None;
+            return Err(fail(e.error.to_string()));
+        }
+        let end = Instant::now() + FLUSH_TIMEOUT;
+        loop {
+            let n = lb.cq.poll(&mut lb.wcs).map_err(|e| fail(e.to_string()))?;
+            if n > 0 {
+                let st = lb.wcs[0].status();
+                drop(lb.wcs[0].take_bufs());
+                if st != ib::WcStatus::Success {
+                    // The queue pair is in the error state now: make a new one next time.
+                    *g = None;
+                    return Err(fail(format!("the loopback read failed: {st}")));
+                }
+                return Ok(());
+            }
+            if Instant::now() > end {
+                *g = None;
+                return Err(Error::Timeout("verbs flush (loopback read)"));
+            }
+            std::hint::spin_loop();
+        }
+    }
+}
+
 /// A queue pair built but not connected yet.
 struct Prepared {
     qp: ib::PreparedQp<ib::Rc>,
@@ -1072,6 +1151,7 @@ fn finish(
         idle: 0,
         armed: false,
         _pd: p.pd,
+        domain: domain.clone(),
     };
     Ok(Box::new(Endpoint::in_domain(
         domain.clone(),
@@ -1231,6 +1311,8 @@ struct VerbsHal {
     /// Its mailbox is watched (`arm` returned true).
     armed: bool,
     _pd: ib::ProtectionDomain,
+    /// For flushes (the domain's loopback queue pair).
+    domain: Domain,
 }
 
 impl std::fmt::Debug for VerbsHal {
@@ -1433,6 +1515,30 @@ impl Hal for VerbsHal {
         TransportKind::Verbs
     }
 
+    fn flush_device(&mut self, t: &mut Tracker, buf: Buf, wr_id: u64) -> PostResult {
+        let Some(key) = buf
+            .region()
+            .remote_key()
+            .filter(|k| k.access().contains(Access::REMOTE_READ))
+        else {
+            return Err(PostError {
+                error: Error::AccessDenied(
+                    "REMOTE_READ (a verbs flush reads the memory through the NIC: register \
+                     it with REMOTE_READ)",
+                ),
+                buf,
+            });
+        };
+        if !buf.is_empty() {
+            let at = key.addr + buf.offset() as u64;
+            let read = verbs_domain(&self.domain).and_then(|vd| vd.flush_read(at, key.rkey));
+            if let Err(error) = read {
+                return Err(PostError { error, buf });
+            }
+        }
+        t.post_flush_done(buf, wr_id).map(|_| ())
+    }
+
     fn attach_worker(&mut self, worker: Option<u64>) -> Option<u64> {
         self.unwatch();
         self.attached = worker;
@@ -1567,6 +1673,29 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(d.watchers, 0);
+    }
+
+    /// The flush's loopback read on host memory (what rxe allows: it cannot register GPU
+    /// memory): a good key reads, a bad one fails typed, and the next flush works again.
+    #[test]
+    fn verbs_loopback_flush_read() {
+        let d = match Domain::open(TransportKind::Verbs, &Options::default()) {
+            Ok(d) => d,
+            Err(e) => {
+                println!("skipped: verbs_loopback_flush_read: no RDMA device ({e}) [lacks rdma]");
+                return;
+            }
+        };
+        let r = d.register(4096, Access::REMOTE_READ).unwrap();
+        let key = r.remote_key().unwrap();
+        let vd = verbs_domain(&d).unwrap();
+        vd.flush_read(key.addr + 100, key.rkey).unwrap();
+        let e = vd.flush_read(key.addr, key.rkey ^ 0x55).unwrap_err();
+        assert!(matches!(e, Error::Protocol(_)), "{e}");
+        vd.flush_read(key.addr + 4095, key.rkey).unwrap();
+        let e = vd.flush_read(key.addr + 4096, key.rkey).unwrap_err();
+        assert!(matches!(e, Error::Protocol(_)), "{e}");
+        println!("verbs: loopback flush reads (good key, bad key refused, out of bounds refused)");
     }
 
     #[test]
