@@ -121,8 +121,9 @@ pub struct Options {
     /// every message lands in one of the connection's registered bounce buffers and is
     /// copied into the receive its tag matches (or into the unexpected queue), so tagged
     /// sends and receives and grouped receives work, a too-long message fails only its
-    /// receive, and the largest message is this less 8 bytes. Both peers must set the
-    /// same value (the handshake refuses a mismatch).
+    /// receive, and the largest send is this less 8 bytes (a longer one is refused,
+    /// `MessageTooLarge`; receives and one-sided operations keep `max_message`). Both
+    /// peers must set the same value (the handshake refuses a mismatch).
     pub verbs_eager_bytes: usize,
 }
 
@@ -285,6 +286,11 @@ pub(crate) trait Hal: Send + fmt::Debug {
     fn attach_worker(&mut self, _worker: Option<u64>) -> Option<u64> {
         None
     }
+    /// The largest message a send may carry, where it is below
+    /// [`Capabilities::max_message`] (which bounds every operation): verbs' eager mode.
+    fn max_send(&self) -> usize {
+        usize::MAX
+    }
     /// Moves queued operations and incoming data; reports completions to `t`.
     fn progress(&mut self, t: &mut Tracker) -> Result<()>;
     fn wait_fd(&self) -> BorrowedFd<'_>;
@@ -305,6 +311,21 @@ impl<H: Hal> Endpoint<H> {
     pub(crate) fn in_domain(domain: Domain, t: Tracker, h: H) -> Self {
         debug_assert_eq!(t.owner(), domain.id());
         Endpoint { t, h, domain }
+    }
+
+    /// Refuses a send longer than the backend carries (typed, with the buffer back).
+    fn check_send(&self, buf: Buf) -> std::result::Result<Buf, PostError> {
+        let max = self.h.max_send();
+        if buf.len() > max {
+            return Err(PostError {
+                error: Error::MessageTooLarge {
+                    len: buf.len(),
+                    max,
+                },
+                buf,
+            });
+        }
+        Ok(buf)
     }
 
     fn post(&mut self, desc: OpDesc, buf: Buf, wr_id: u64) -> PostResult {
@@ -345,6 +366,7 @@ impl<H: Hal> Transport for Endpoint<H> {
         self.domain.register(len, access)
     }
     fn post_send(&mut self, buf: Buf, wr_id: u64) -> PostResult {
+        let buf = self.check_send(buf)?;
         self.post(OpDesc::Send, buf, wr_id)
     }
     fn post_recv(&mut self, buf: Buf, wr_id: u64) -> PostResult {
@@ -367,6 +389,7 @@ impl<H: Hal> Transport for Endpoint<H> {
         self.post(OpDesc::Atomic { key: *key, off, op }, buf, wr_id)
     }
     fn post_send_tagged(&mut self, buf: Buf, tag: u64, wr_id: u64) -> PostResult {
+        let buf = self.check_send(buf)?;
         self.t.post_send_tagged(buf, tag, wr_id)?;
         self.kick();
         Ok(())

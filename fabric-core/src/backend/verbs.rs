@@ -1098,10 +1098,7 @@ fn finish(
     let opts = domain.options();
     let conn = next_conn_id();
     let eager = p.eager > 0;
-    let mut max_message = opts.max_message.min(1 << 30);
-    if eager {
-        max_message = max_message.min(p.eager - TAG_HEADER);
-    }
+    let max_message = opts.max_message.min(1 << 30);
     let caps = Capabilities {
         ordering: MessageOrdering::InOrder,
         one_sided: true,
@@ -1537,6 +1534,15 @@ impl Hal for VerbsHal {
             }
         }
         t.post_flush_done(buf, wr_id).map(|_| ())
+    }
+
+    fn max_send(&self) -> usize {
+        match &self.eager {
+            // Sends must fit a bounce buffer after the tag; receives and one-sided
+            // operations keep max_message.
+            Some(e) => e.size - TAG_HEADER,
+            None => usize::MAX,
+        }
     }
 
     fn attach_worker(&mut self, worker: Option<u64>) -> Option<u64> {
