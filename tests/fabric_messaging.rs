@@ -148,6 +148,24 @@ fn kinds() -> [TransportKind; 2] {
     [TransportKind::Shm, TransportKind::Tcp]
 }
 
+/// The backends with tagged messages: shm, tcp, and verbs in its eager mode (where an RDMA
+/// device exists; else skipped by `pair`).
+fn tagged_kinds() -> [TransportKind; 3] {
+    [TransportKind::Shm, TransportKind::Tcp, TransportKind::Verbs]
+}
+
+/// Eager receive buffers that hold the largest of [`SIZES`] (and its 8-byte tag).
+const VERBS_EAGER: usize = 256 << 10;
+
+/// `opts`, with verbs' eager mode on for verbs.
+fn for_kind(kind: TransportKind, opts: &Options) -> Options {
+    let mut o = opts.clone();
+    if kind == TransportKind::Verbs {
+        o.verbs_eager_bytes = VERBS_EAGER;
+    }
+    o
+}
+
 /// Sizes that take every path: several shm records (chunks of 64 KiB) or shm's
 /// rendezvous (registered region >= 2 KiB), and one ring record / frame. The first is the
 /// one a receiver waiting for another tag queues as unexpected.
@@ -167,8 +185,13 @@ fn variants() -> [Options; 2] {
 
 #[test]
 fn out_of_order_tags_are_never_confused() {
-    for (kind, opts) in kinds().into_iter().flat_map(|k| variants().map(|o| (k, o))) {
-        let (mut a, mut b) = pair(kind, &opts).unwrap();
+    for (kind, opts) in tagged_kinds()
+        .into_iter()
+        .flat_map(|k| variants().map(|o| (k, o)))
+    {
+        let Some((mut a, mut b)) = pair(kind, &for_kind(kind, &opts)) else {
+            continue;
+        };
         assert!(a.capabilities().tagged, "{kind}");
         let src = b.register(1 << 20, Access::empty()).unwrap();
         let dst = a.register(1 << 20, Access::LOCAL_WRITE).unwrap();
@@ -220,8 +243,10 @@ fn out_of_order_tags_are_never_confused() {
 
 #[test]
 fn masks_select_tags_and_plain_receives_take_any() {
-    for kind in kinds() {
-        let (mut a, mut b) = pair(kind, &Options::default()).unwrap();
+    for kind in tagged_kinds() {
+        let Some((mut a, mut b)) = pair(kind, &for_kind(kind, &Options::default())) else {
+            continue;
+        };
         let src = b.register(4096, Access::empty()).unwrap();
         let dst = a.register(4096, Access::LOCAL_WRITE).unwrap();
         // A receive for "collective 7, any step": high 32 bits = 7.
@@ -276,13 +301,15 @@ fn masks_select_tags_and_plain_receives_take_any() {
 
 #[test]
 fn the_unexpected_queue_is_bounded_and_recovers() {
-    for kind in kinds() {
+    for kind in tagged_kinds() {
         let opts = Options {
             unexpected_messages: 1,
             unexpected_bytes: 1 << 20,
             ..Options::default()
         };
-        let (mut a, mut b) = pair(kind, &opts).unwrap();
+        let Some((mut a, mut b)) = pair(kind, &for_kind(kind, &opts)) else {
+            continue;
+        };
         let caps = a.capabilities();
         assert_eq!(
             (caps.unexpected_messages, caps.unexpected_bytes),
@@ -336,8 +363,13 @@ fn the_unexpected_queue_is_bounded_and_recovers() {
 
 #[test]
 fn grouped_receive_completes_once_with_part_lengths() {
-    for (kind, opts) in kinds().into_iter().flat_map(|k| variants().map(|o| (k, o))) {
-        let (mut a, mut b) = pair(kind, &opts).unwrap();
+    for (kind, opts) in tagged_kinds()
+        .into_iter()
+        .flat_map(|k| variants().map(|o| (k, o)))
+    {
+        let Some((mut a, mut b)) = pair(kind, &for_kind(kind, &opts)) else {
+            continue;
+        };
         assert!(a.capabilities().max_group >= 3, "{kind}");
         let src = b.register(1 << 20, Access::empty()).unwrap();
         let dst = a.register(1 << 20, Access::LOCAL_WRITE).unwrap();
@@ -658,6 +690,136 @@ fn verbs_messaging_matches_its_capabilities() {
     assert!(
         !c.status.is_ok(),
         "the RC connection survived a too-long message: {c:?}"
+    );
+}
+
+/// verbs in eager mode (where an RDMA device exists): tags and grouped receives are on, a
+/// write-imm notification takes a receive for tag 0 (or waits for one), a too-long
+/// message fails only its receive, and peers that disagree on the eager size are refused,
+/// typed, at the handshake.
+#[test]
+fn verbs_eager_mode_matches_its_capabilities() {
+    let opts = Options {
+        verbs_eager_bytes: 4096,
+        ..Options::default()
+    };
+    let Some((mut a, mut b)) = pair(TransportKind::Verbs, &opts) else {
+        return;
+    };
+    let caps = a.capabilities();
+    assert!(
+        caps.tagged && caps.max_group > 0 && caps.write_imm,
+        "{caps:?}"
+    );
+    assert!(!caps.too_long_kills_connection && caps.remote_error_kills_connection);
+    // Only sends are bounded by the eager buffer (one-sided operations are not).
+    assert!(caps.max_message > 4096, "{caps:?}");
+    let target = a.register(1 << 16, Access::REMOTE_WRITE).unwrap();
+    let key = target.remote_key().unwrap();
+    let notes = a.register(1 << 16, Access::LOCAL_WRITE).unwrap();
+    let src = b.register(1 << 16, Access::empty()).unwrap();
+    let mut sent = Vec::new();
+    // Larger than the eager buffer: refused at the sender, typed, buffer back.
+    let e = b
+        .post_send_tagged(src.slice(0, 4096).unwrap(), 1, 1)
+        .unwrap_err();
+    assert!(
+        matches!(
+            e.error,
+            Error::MessageTooLarge {
+                len: 4096,
+                max: 4088
+            }
+        ),
+        "{}",
+        e.error
+    );
+    assert_eq!(e.buf.len(), 4096);
+    let e = b.post_send(src.slice(0, 4089).unwrap(), 1).unwrap_err();
+    assert!(
+        matches!(e.error, Error::MessageTooLarge { .. }),
+        "{}",
+        e.error
+    );
+    assert_eq!(b.in_flight(), 0);
+    // A write-imm notification: the tag-5 receive does not take it, the tag-0 one does.
+    a.post_recv_tagged(notes.slice(0, 8).unwrap(), 5, !0, 1)
+        .map_err(|e| e.error)
+        .unwrap();
+    a.post_recv_tagged(notes.slice(8, 8).unwrap(), 0, !0, 2)
+        .map_err(|e| e.error)
+        .unwrap();
+    let data = pattern(40_000, 3);
+    let w = src.slice(0, data.len()).unwrap();
+    w.copy_from(&data).unwrap();
+    b.post_write_imm(w, &key, 1000, 0xdead_beef, 7)
+        .map_err(|e| e.error)
+        .unwrap();
+    let c = next(a.as_mut(), b.as_mut(), &mut sent);
+    assert_eq!(
+        (c.op, c.status, c.wr_id, c.len, c.imm, c.tag),
+        (
+            OpKind::Recv,
+            Status::Success,
+            2,
+            data.len(),
+            Some(0xdead_beef),
+            0
+        )
+    );
+    let mut got = vec![0u8; data.len()];
+    target.read_at(1000, &mut got).unwrap();
+    assert_eq!(got, data);
+    sends_done(b.as_mut(), a.as_mut(), &mut sent, 1);
+    sent.clear();
+    // A notification with no receive for it waits; a later receive takes it.
+    b.post_write_imm(src.slice(0, 16).unwrap(), &key, 0, 42, 8)
+        .map_err(|e| e.error)
+        .unwrap();
+    sends_done(b.as_mut(), a.as_mut(), &mut sent, 1);
+    a.post_recv(notes.slice(16, 8).unwrap(), 3)
+        .map_err(|e| e.error)
+        .unwrap();
+    let c = next(a.as_mut(), b.as_mut(), &mut sent);
+    assert_eq!((c.wr_id, c.len, c.imm), (3, 16, Some(42)));
+    // Too long for the receive: only the receive fails; the tag-5 receive is still there.
+    a.post_recv_tagged(notes.slice(100, 10).unwrap(), 4, !0, 10)
+        .map_err(|e| e.error)
+        .unwrap();
+    send_tagged(b.as_mut(), &src, 0, &pattern(3000, 1), 4, 11);
+    let c = next(a.as_mut(), b.as_mut(), &mut sent);
+    assert_eq!(
+        (c.wr_id, c.status, c.len, c.tag),
+        (10, Status::MessageTooLong, 3000, 4)
+    );
+    send_tagged(b.as_mut(), &src, 0, b"tag five", 5, 12);
+    let c = next(a.as_mut(), b.as_mut(), &mut sent);
+    assert_eq!(
+        (c.wr_id, c.status, c.len, c.tag),
+        (1, Status::Success, 8, 5)
+    );
+    assert_eq!(c.buf.unwrap().to_vec(), b"tag five");
+    println!("verbs eager: tags, write-imm notifications and a too-long receive as on tcp");
+
+    // Peers that disagree on the eager size: the connector gets a typed error.
+    let mut l = backend::listen(TransportKind::Verbs, &opts).unwrap();
+    let mut c = backend::connect(l.address(), &Options::default()).unwrap();
+    let end = Instant::now() + DEADLINE;
+    let err = loop {
+        assert!(
+            l.accept().unwrap().is_none(),
+            "a mismatched peer was accepted"
+        );
+        match c.poll_connect() {
+            Ok(None) => {}
+            Ok(Some(_)) => panic!("connected with mismatched eager sizes"),
+            Err(e) => break e,
+        }
+        assert!(Instant::now() < end, "no handshake verdict");
+    };
+    assert!(
+        matches!(&err, Error::Protocol(m) if m.contains("verbs_eager_bytes")),
+        "{err}"
     );
 }
 

@@ -98,6 +98,14 @@ pub(crate) trait DomainBackend: Send + Sync + fmt::Debug {
             None,
         ))
     }
+    /// The completion queue number `index` that this domain's connections share, if the
+    /// backend shares one (verbs); see [`crate::backend::SharedCompletions`].
+    fn shared_completions(
+        &self,
+        _index: u32,
+    ) -> Option<Arc<dyn crate::backend::SharedCompletions>> {
+        None
+    }
     /// Registers `[ptr, ptr + len)` with the device (verbs: `ibv_reg_mr`).
     fn register(&self, _ptr: *mut u8, _len: usize, _access: Access) -> Result<Registered> {
         Ok(Registered::default())

@@ -713,6 +713,17 @@ pub trait Transport: Send + fmt::Debug {
     /// Only for a failing system call.
     fn arm(&mut self) -> Result<bool>;
 
+    /// Internal to fabric-core's [`Worker`](crate::Worker): it calls this with its id when it
+    /// takes the connection and with `None` when it hands it back. A connection whose
+    /// completions arrive on a queue shared by its domain's connections (verbs: one CQ for
+    /// many queue pairs) returns its key in that queue, and while attached its
+    /// [`wait_fd`](Transport::wait_fd) only reports hang-up; the worker watches the shared
+    /// queue once for all of them. Other connections return `None` (the default).
+    #[doc(hidden)]
+    fn attach_worker(&mut self, _worker: Option<u64>) -> Option<u64> {
+        None
+    }
+
     /// Sleeps until there may be work or `timeout` passes (`arm` + `poll(2)` on the fd).
     ///
     /// # Errors

@@ -65,8 +65,11 @@
 //!   fd (`EPOLLONESHOT`, re-enabled after the arm). `poll` does not touch it; it comes back to
 //!   the active queue when `epoll_wait` reports it. This is how an idle endpoint with a
 //!   posted receive is found: shm's peer signals its eventfd when it publishes a record to a
-//!   side that armed, tcp's socket becomes readable, verbs' CQ raises a channel event; a
-//!   peer that dies hangs up the endpoint's socket, which its epoll also watches. An active
+//!   side that armed, tcp's socket becomes readable; verbs endpoints share their domain's
+//!   completion queue, which the worker watches once (its channel and eventfd), and the
+//!   queue names the endpoints that got work (an endpoint's own fd, its side socket, only
+//!   tells of a hang-up). A peer that dies hangs up the endpoint's socket, which the
+//!   epoll also watches. An active
 //!   endpoint that gave no completion for [`PARK_AFTER`] polls is armed and parked by `poll`
 //!   itself; [`Worker::arm`] parks every active endpoint at once.
 //! * **dormant** — its `arm` returned `false` ("there is work") although nothing of the
@@ -105,12 +108,13 @@
 #![allow(unsafe_code)]
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, VecDeque};
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::fmt;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use crate::backend::{self, Listener};
+use crate::backend::{self, Listener, SharedCompletions};
 use crate::domain::Domain;
 use crate::error::{Error, Result};
 use crate::region::Buf;
@@ -123,6 +127,13 @@ pub const PARK_AFTER: u32 = 64;
 /// While some endpoints are active, `poll` asks the epoll for parked endpoints that woke up
 /// once every this many calls (every call when none is active).
 pub const EPOLL_EVERY: u32 = 16;
+
+/// Marks an epoll entry of a completion queue shared by endpoints (the low bits: its index
+/// in the domain) rather than an endpoint's own fd.
+const SHARED_TAG: u64 = 1 << 40;
+
+/// Process-unique worker ids (a shared completion queue's wake-ups name their worker).
+static NEXT_WORKER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 /// Bits of an [`EndpointId`] that hold its index; the rest is a generation.
 const INDEX_BITS: u32 = 24;
@@ -207,11 +218,14 @@ struct Slot {
     state: State,
     /// Consecutive polls without a completion.
     idle: u32,
+    /// Its key in a completion queue it shares with other endpoints (verbs).
+    key: Option<u64>,
 }
 
 /// One progress engine for many endpoints of one [`Domain`]: see the [module
 /// docs](self).
 pub struct Worker {
+    id: u64,
     domain: Domain,
     epoll: OwnedFd,
     slots: Vec<Option<Slot>>,
@@ -229,6 +243,12 @@ pub struct Worker {
     ready: Vec<libc::epoll_event>,
     /// A poll error held back because events had already been moved out.
     deferred: Option<Error>,
+    /// Shared completion queues watched (by index in the domain; verbs).
+    shared: Vec<Option<Weak<dyn SharedCompletions>>>,
+    /// Endpoints by their key in a shared completion queue.
+    keys: HashMap<u64, usize>,
+    /// Keys a shared queue reported woken.
+    woken: Vec<u64>,
 }
 
 impl fmt::Debug for Worker {
@@ -244,8 +264,18 @@ impl fmt::Debug for Worker {
 }
 
 fn epoll_ctl(ep: BorrowedFd<'_>, op: libc::c_int, fd: BorrowedFd<'_>, data: u64) -> Result<()> {
+    epoll_ctl_with(ep, op, fd, data, libc::EPOLLIN | libc::EPOLLONESHOT)
+}
+
+fn epoll_ctl_with(
+    ep: BorrowedFd<'_>,
+    op: libc::c_int,
+    fd: BorrowedFd<'_>,
+    data: u64,
+    events: libc::c_int,
+) -> Result<()> {
     let mut ev = libc::epoll_event {
-        events: (libc::EPOLLIN | libc::EPOLLONESHOT) as u32,
+        events: events as u32,
         u64: data,
     };
     // SAFETY: `ev` is a valid epoll_event for the call's duration; both fds are open.
@@ -274,6 +304,7 @@ impl Worker {
         // SAFETY: a fresh descriptor nothing else owns.
         let epoll = unsafe { OwnedFd::from_raw_fd(fd) };
         Ok(Worker {
+            id: NEXT_WORKER.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             domain: domain.clone(),
             epoll,
             slots: Vec::new(),
@@ -286,6 +317,9 @@ impl Worker {
             scratch: Vec::new(),
             ready: Vec::with_capacity(64),
             deferred: None,
+            shared: Vec::new(),
+            keys: HashMap::new(),
+            woken: Vec::new(),
         })
     }
 
@@ -317,14 +351,30 @@ impl Worker {
             None => return Err(Error::WouldBlock("worker endpoint table")),
         };
         let id = EndpointId::new(index, self.generations[index]);
-        if let Err(e) = epoll_ctl(
-            self.epoll.as_fd(),
-            libc::EPOLL_CTL_ADD,
-            t.wait_fd(),
-            id.raw() as u64,
-        ) {
+        let mut t = t;
+        // An endpoint on a shared completion queue: its fd now tells only of a hang-up, and
+        // the queue is watched once for all of them.
+        let key = t.attach_worker(Some(self.id));
+        let watched = match key {
+            Some(k) => self.watch_shared((k >> 32) as u32),
+            None => Ok(()),
+        };
+        if let Err(e) = watched.and_then(|()| {
+            epoll_ctl(
+                self.epoll.as_fd(),
+                libc::EPOLL_CTL_ADD,
+                t.wait_fd(),
+                id.raw() as u64,
+            )
+        }) {
+            if key.is_some() {
+                t.attach_worker(None);
+            }
             self.free.push(Reverse(index));
             return Err(e);
+        }
+        if let Some(k) = key {
+            self.keys.insert(k, index);
         }
         self.generations[index] = (self.generations[index] + 1) & (u32::MAX >> INDEX_BITS);
         self.slots[index] = Some(Slot {
@@ -332,10 +382,43 @@ impl Worker {
             t,
             state: State::Active,
             idle: 0,
+            key,
         });
         self.active.push_back(index);
         self.len += 1;
         Ok(id)
+    }
+
+    /// Watches the domain's shared completion queue number `index` (once; level-triggered:
+    /// readable until [`SharedCompletions::drive`] ran).
+    fn watch_shared(&mut self, index: u32) -> Result<()> {
+        let i = index as usize;
+        if self
+            .shared
+            .get(i)
+            .is_some_and(|w| w.as_ref().is_some_and(|w| w.strong_count() > 0))
+        {
+            return Ok(());
+        }
+        let q = self
+            .domain
+            .backend()
+            .shared_completions(index)
+            .ok_or_else(|| Error::Protocol(format!("no shared completion queue {index}")))?;
+        for fd in q.wake_fds() {
+            epoll_ctl_with(
+                self.epoll.as_fd(),
+                libc::EPOLL_CTL_ADD,
+                fd,
+                SHARED_TAG | u64::from(index),
+                libc::EPOLLIN,
+            )?;
+        }
+        if self.shared.len() <= i {
+            self.shared.resize_with(i + 1, || None);
+        }
+        self.shared[i] = Some(Arc::downgrade(&q));
+        Ok(())
     }
 
     /// Connects to `address` (with or without its `kind:` prefix) and adds the connection;
@@ -438,7 +521,11 @@ impl Worker {
         let s = self.slot(ep).ok_or_else(|| unknown(ep))?;
         epoll_ctl(self.epoll.as_fd(), libc::EPOLL_CTL_DEL, s.t.wait_fd(), 0)?;
         let index = ep.index();
-        let s = self.slots[index].take().expect("checked above");
+        let mut s = self.slots[index].take().expect("checked above");
+        if let Some(k) = s.key {
+            s.t.attach_worker(None);
+            self.keys.remove(&k);
+        }
         match s.state {
             State::Active => self.active.retain(|&i| i != index),
             State::Parked => self.parked -= 1,
@@ -498,30 +585,59 @@ impl Worker {
         for k in 0..n as usize {
             // SAFETY: the kernel initialised the first `n` entries.
             let data = unsafe { (*self.ready.as_ptr().add(k)).u64 };
+            if data & SHARED_TAG != 0 {
+                self.drive_shared((data & u64::from(u32::MAX)) as usize)?;
+                continue;
+            }
             let id = EndpointId(data as u32);
             let index = id.index();
-            let Some(Some(s)) = self.slots.get_mut(index) else {
+            let Some(Some(s)) = self.slots.get(index) else {
                 continue;
             };
             if s.id != id {
                 continue;
             }
-            match s.state {
-                State::Active => {}
-                State::Parked => {
-                    self.parked -= 1;
-                    s.state = State::Active;
-                    s.idle = 0;
-                    self.active.push_back(index);
-                }
-                State::Dormant => {
-                    s.state = State::Active;
-                    s.idle = 0;
-                    self.active.push_back(index);
-                }
-            }
+            self.wake(index);
         }
         Ok(())
+    }
+
+    /// Lets the shared completion queue `i` route its completions and wakes the endpoints
+    /// that got some.
+    fn drive_shared(&mut self, i: usize) -> Result<()> {
+        let Some(q) = self.shared.get(i).and_then(|w| w.as_ref()?.upgrade()) else {
+            return Ok(());
+        };
+        q.drive(self.id, &mut self.woken)?;
+        let mut woken = std::mem::take(&mut self.woken);
+        for k in woken.drain(..) {
+            if let Some(&index) = self.keys.get(&k) {
+                self.wake(index);
+            }
+        }
+        self.woken = woken;
+        Ok(())
+    }
+
+    /// Puts a parked or dormant endpoint back in the active queue.
+    fn wake(&mut self, index: usize) {
+        let Some(Some(s)) = self.slots.get_mut(index) else {
+            return;
+        };
+        match s.state {
+            State::Active => {}
+            State::Parked => {
+                self.parked -= 1;
+                s.state = State::Active;
+                s.idle = 0;
+                self.active.push_back(index);
+            }
+            State::Dormant => {
+                s.state = State::Active;
+                s.idle = 0;
+                self.active.push_back(index);
+            }
+        }
     }
 
     /// Arms the endpoint in `index` (which is out of the active queue): parked, dormant,

@@ -116,6 +116,15 @@ pub struct Options {
     pub unexpected_messages: usize,
     /// Most payload bytes a connection's unexpected queue holds. Default 4 MiB.
     pub unexpected_bytes: usize,
+    /// verbs: bytes of each eager receive buffer (an 8-byte tag header plus the payload);
+    /// 0 (the default, or `FABRIC_VERBS_EAGER_BYTES`) keeps receives zero-copy. When set,
+    /// every message lands in one of the connection's registered bounce buffers and is
+    /// copied into the receive its tag matches (or into the unexpected queue), so tagged
+    /// sends and receives and grouped receives work, a too-long message fails only its
+    /// receive, and the largest send is this less 8 bytes (a longer one is refused,
+    /// `MessageTooLarge`; receives and one-sided operations keep `max_message`). Both
+    /// peers must set the same value (the handshake refuses a mismatch).
+    pub verbs_eager_bytes: usize,
 }
 
 /// Most parts of one grouped receive (shm, tcp).
@@ -137,6 +146,7 @@ impl Default for Options {
             verbs_gid_index: None,
             unexpected_messages: 1024,
             unexpected_bytes: 4 << 20,
+            verbs_eager_bytes: env_usize("FABRIC_VERBS_EAGER_BYTES").unwrap_or(0),
         }
     }
 }
@@ -241,6 +251,22 @@ pub(crate) fn next_conn_id() -> u64 {
     NEXT_CONN.fetch_add(1, Ordering::Relaxed)
 }
 
+/// A completion queue shared by several connections of one domain (verbs), as a
+/// [`Worker`](crate::Worker) drives it: one wake-up source for all of them.
+///
+/// A connection attached to a worker ([`Transport::attach_worker`]) has a key in the queue
+/// (the value `attach_worker` returned); `(key >> 32)` is the queue's index in its domain
+/// ([`DomainBackend::shared_completions`]).
+pub(crate) trait SharedCompletions: Send + Sync + fmt::Debug {
+    /// The fds that become readable when an attached, armed connection may have work
+    /// (level-triggered: readable until [`drive`](Self::drive) ran).
+    fn wake_fds(&self) -> Vec<BorrowedFd<'_>>;
+    /// Acknowledges the wake-up, moves completions to their connections and appends the
+    /// keys of armed connections attached to `worker` that now have work to `woken` (those
+    /// of other workers stay for them, and keep the fds readable).
+    fn drive(&self, worker: u64, woken: &mut Vec<u64>) -> Result<()>;
+}
+
 /// What a backend implements: moving bytes. Everything it is handed was validated by the
 /// [`Tracker`].
 pub(crate) trait Hal: Send + fmt::Debug {
@@ -255,6 +281,15 @@ pub(crate) trait Hal: Send + fmt::Debug {
             },
             buf,
         })
+    }
+    /// See [`Transport::attach_worker`].
+    fn attach_worker(&mut self, _worker: Option<u64>) -> Option<u64> {
+        None
+    }
+    /// The largest message a send may carry, where it is below
+    /// [`Capabilities::max_message`] (which bounds every operation): verbs' eager mode.
+    fn max_send(&self) -> usize {
+        usize::MAX
     }
     /// Moves queued operations and incoming data; reports completions to `t`.
     fn progress(&mut self, t: &mut Tracker) -> Result<()>;
@@ -276,6 +311,21 @@ impl<H: Hal> Endpoint<H> {
     pub(crate) fn in_domain(domain: Domain, t: Tracker, h: H) -> Self {
         debug_assert_eq!(t.owner(), domain.id());
         Endpoint { t, h, domain }
+    }
+
+    /// Refuses a send longer than the backend carries (typed, with the buffer back).
+    fn check_send(&self, buf: Buf) -> std::result::Result<Buf, PostError> {
+        let max = self.h.max_send();
+        if buf.len() > max {
+            return Err(PostError {
+                error: Error::MessageTooLarge {
+                    len: buf.len(),
+                    max,
+                },
+                buf,
+            });
+        }
+        Ok(buf)
     }
 
     fn post(&mut self, desc: OpDesc, buf: Buf, wr_id: u64) -> PostResult {
@@ -316,6 +366,7 @@ impl<H: Hal> Transport for Endpoint<H> {
         self.domain.register(len, access)
     }
     fn post_send(&mut self, buf: Buf, wr_id: u64) -> PostResult {
+        let buf = self.check_send(buf)?;
         self.post(OpDesc::Send, buf, wr_id)
     }
     fn post_recv(&mut self, buf: Buf, wr_id: u64) -> PostResult {
@@ -338,6 +389,7 @@ impl<H: Hal> Transport for Endpoint<H> {
         self.post(OpDesc::Atomic { key: *key, off, op }, buf, wr_id)
     }
     fn post_send_tagged(&mut self, buf: Buf, tag: u64, wr_id: u64) -> PostResult {
+        let buf = self.check_send(buf)?;
         self.t.post_send_tagged(buf, tag, wr_id)?;
         self.kick();
         Ok(())
@@ -388,6 +440,9 @@ impl<H: Hal> Transport for Endpoint<H> {
     }
     fn wait_fd(&self) -> BorrowedFd<'_> {
         self.h.wait_fd()
+    }
+    fn attach_worker(&mut self, worker: Option<u64>) -> Option<u64> {
+        self.h.attach_worker(worker)
     }
     fn arm(&mut self) -> Result<bool> {
         if self.t.ready_len() > 0 || self.t.failure().is_some() {

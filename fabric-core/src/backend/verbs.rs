@@ -7,28 +7,50 @@
 //!   asked); its remote key carries the verbs `addr` and `rkey`. The NIC does the
 //!   target-side checks (rkey, bounds, access).
 //! * Operations map one to one: SEND / RECV, RDMA WRITE / READ, CAS / FAA; the tracker's
-//!   slot token is the `wr_id`. One CQ per connection with a completion channel: the wait
-//!   fd is an epoll of the channel and the side-channel socket.
-//! * Not emulated (capabilities say so): a message longer than the posted receive fails
-//!   the receive with [`Status::MessageTooLong`] *and* moves the queue pair to the error
-//!   state (RC semantics), so the connection is lost — unlike shm and tcp.
+//!   slot token is the `wr_id`.
+//! * One CQ for many connections: the queue pairs of a domain share a completion queue and
+//!   its channel (a `Hub`; another one only once a CQ's entries — `max_cqe`, at most
+//!   65,536 — are all reserved, each queue pair reserving its depth). Whoever polls it
+//!   hands completions of other queue pairs to their mailbox (by `qp_num`; late flushes of
+//!   destroyed queue pairs are recognised and dropped). A [`Worker`](crate::Worker) watches
+//!   each shared CQ once (its channel, and an eventfd for completions another connection
+//!   polled) and wakes exactly the endpoints that got work; an endpoint it holds costs a
+//!   queue pair and its side socket. A connection used alone waits on an epoll of the
+//!   channel, its socket and its own eventfd, made on first need. The lock around the CQ
+//!   is uncontended unless connections of one domain are polled from several threads.
+//!   Not built: a shared receive queue (SRQ) per domain; the mailboxes already route by
+//!   `qp_num`, so receives posted to an SRQ would complete through the same path, and the
+//!   eager mode's bounce buffers are what would move there.
+//! * Eager mode ([`Options::verbs_eager_bytes`], both peers alike, agreed in the hello):
+//!   messages land in registered bounce buffers with an 8-byte tag header and are matched
+//!   by the tracker, so tags, grouped receives and the unexpected queue work as on shm and
+//!   tcp, at the price of one copy per received message.
+//! * Not emulated (capabilities say so): without eager mode, a message longer than the
+//!   posted receive fails the receive with [`Status::MessageTooLong`] *and* moves the queue
+//!   pair to the error state (RC semantics), so the connection is lost — unlike shm and
+//!   tcp.
 #![allow(unsafe_code)]
 
+use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Instant;
 
 use ibverbs_safe as ib;
 
-use super::{next_conn_id, BackendEntry, Connector, Endpoint, Hal, Listener, Options};
+use super::{
+    next_conn_id, BackendEntry, Connector, Endpoint, Hal, Listener, Options, SharedCompletions,
+};
 use crate::domain::{Domain, DomainBackend, MemorySupport, Registered};
 use crate::error::{Error, Result};
-use crate::region::{Access, Region};
+use crate::region::{Access, Buf, Region};
 use crate::sys;
 use crate::tracker::{OpDesc, Token, Tracker};
 use crate::transport::{
-    AtomicOp, Capabilities, MemoryKinds, MessageOrdering, Status, Transport, TransportKind,
+    AtomicOp, Capabilities, MemoryKinds, MessageOrdering, PostError, PostResult, Status, Transport,
+    TransportKind,
 };
 
 /// The registry entry.
@@ -48,6 +70,13 @@ struct VerbsDomain {
     device: String,
     port: u8,
     gid: Option<u8>,
+    /// Largest CQ the device makes.
+    max_cqe: u32,
+    /// The CQs its connections share (a new one when all are full; freed with their last
+    /// connection).
+    hubs: Mutex<Vec<Weak<Hub>>>,
+    /// The queue pair connected to itself that flushes read through (made on first need).
+    loopback: Mutex<Option<Loopback>>,
 }
 
 impl std::fmt::Debug for VerbsDomain {
@@ -66,12 +95,18 @@ impl VerbsDomain {
         let e = |e: ib::Error| unavailable(e.to_string());
         let ctx = ib::open(Some(&device)).map_err(e)?;
         let pd = ctx.alloc_pd().map_err(e)?;
+        let max_cqe = ctx
+            .query_device()
+            .map_or(CQ_DEPTH, |a| a.max_cqe.max(CQ_DEPTH));
         Ok(VerbsDomain {
             ctx,
             pd,
             device,
             port,
             gid,
+            max_cqe,
+            hubs: Mutex::new(Vec::new()),
+            loopback: Mutex::new(None),
         })
     }
 }
@@ -148,6 +183,12 @@ impl DomainBackend for VerbsDomain {
         TransportKind::Verbs
     }
 
+    fn shared_completions(&self, index: u32) -> Option<Arc<dyn SharedCompletions>> {
+        let hubs = self.hubs.lock().unwrap_or_else(|e| e.into_inner());
+        let h: Arc<dyn SharedCompletions> = hubs.get(index as usize)?.upgrade()?;
+        Some(h)
+    }
+
     fn memory(&self) -> MemorySupport {
         // GPU memory only where the probe expects DMA-BUF registration to work.
         let gpu = if crate::topology::probe_gpu_memory(&self.ctx).expected() {
@@ -195,7 +236,11 @@ fn verbs_domain(d: &Domain) -> Result<&VerbsDomain> {
 
 const HELLO_MAGIC: u64 = 0x3153_4252_4556_4246; // "FBVERBS1"
 const HELLO_LEN: usize = 16 + ib::Endpoint::ENCODED_LEN;
+/// Work requests per queue pair at most (each side), and the smallest shared CQ.
 const CQ_DEPTH: u32 = 1024;
+/// Entries of one shared CQ (fewer where the device's `max_cqe` is smaller: rxe 32,767):
+/// with the default 256 in flight, 256 queue pairs per CQ.
+const HUB_CQE: u32 = 1 << 16;
 /// Idle polls between two checks of the side-channel socket.
 const CHECK_EVERY: u32 = 1024;
 
@@ -311,28 +356,432 @@ struct Backing {
     full: ib::MrSlice,
 }
 
-/// One connection's verbs objects (drop order: QP, then CQ, channel, PD, context).
-struct Verbs {
-    qp: ib::QueuePair<ib::Rc>,
-    cq: ib::CompletionQueue,
-    channel: ib::CompletionChannel,
-    _pd: ib::ProtectionDomain,
+/// A work completion as it is handed to its connection (its buffers already released).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Wc {
+    wr_id: u64,
+    status: ib::WcStatus,
+    byte_len: u32,
+    imm: Option<u32>,
+    /// From the receive queue.
+    recv: bool,
 }
 
-impl std::fmt::Debug for Verbs {
+/// Who sleeps until a connection's mailbox gets a completion.
+#[derive(Debug, Default)]
+enum Watch {
+    /// Nobody (the connection is being polled).
+    #[default]
+    None,
+    /// The worker (by id) that holds the connection (woken through the queue's eventfd).
+    Worker(u64),
+    /// The connection alone, through its own eventfd.
+    Lone(Arc<OwnedFd>),
+}
+
+/// Whom a routed completion wakes.
+#[derive(Debug)]
+enum Wake {
+    Hub,
+    Lone(Arc<OwnedFd>),
+}
+
+#[derive(Debug, Default)]
+struct Mailbox {
+    q: VecDeque<Wc>,
+    watch: Watch,
+}
+
+/// The I/O-free core of a shared CQ: one mailbox per queue pair (by `qp_num`) for the
+/// completions another connection polled, who sleeps on it, and which worker-held
+/// connections got work while armed.
+#[derive(Debug, Default)]
+struct Demux {
+    boxes: HashMap<u32, Mailbox>,
+    /// Queue pairs watched by a worker (its id first) that got a completion.
+    woken: Vec<(u64, u32)>,
+    /// Mailboxes whose watch is not `None` (the CQ must stay armed while some are).
+    watchers: usize,
+}
+
+impl Demux {
+    fn open(&mut self, qp: u32) {
+        self.close(qp);
+        self.boxes.insert(qp, Mailbox::default());
+    }
+
+    fn close(&mut self, qp: u32) {
+        if let Some(b) = self.boxes.remove(&qp) {
+            if !matches!(b.watch, Watch::None) {
+                self.watchers -= 1;
+            }
+        }
+        self.woken.retain(|&(_, k)| k != qp);
+    }
+
+    /// Queues a completion of `qp` (dropped when no connection has that queue pair: a
+    /// closed one's) and says whom to wake.
+    fn route(&mut self, qp: u32, wc: Wc) -> Option<Wake> {
+        let b = self.boxes.get_mut(&qp)?;
+        b.q.push_back(wc);
+        match std::mem::take(&mut b.watch) {
+            Watch::None => None,
+            Watch::Worker(w) => {
+                self.watchers -= 1;
+                let first = self.woken.is_empty();
+                self.woken.push((w, qp));
+                first.then_some(Wake::Hub)
+            }
+            Watch::Lone(fd) => {
+                self.watchers -= 1;
+                Some(Wake::Lone(fd))
+            }
+        }
+    }
+
+    fn take(&mut self, qp: u32) -> Option<Wc> {
+        self.boxes.get_mut(&qp)?.q.pop_front()
+    }
+
+    fn has_mail(&self, qp: u32) -> bool {
+        self.boxes.get(&qp).is_some_and(|b| !b.q.is_empty())
+    }
+
+    /// Sleeps `qp` on its mailbox; `false` (and no watch) when mail waits already.
+    fn watch(&mut self, qp: u32, w: Watch) -> bool {
+        let Some(b) = self.boxes.get_mut(&qp) else {
+            return false;
+        };
+        if !b.q.is_empty() {
+            return false;
+        }
+        if matches!(b.watch, Watch::None) {
+            self.watchers += 1;
+        }
+        b.watch = w;
+        true
+    }
+
+    fn unwatch(&mut self, qp: u32) {
+        if let Some(b) = self.boxes.get_mut(&qp) {
+            if !matches!(std::mem::take(&mut b.watch), Watch::None) {
+                self.watchers -= 1;
+            }
+        }
+    }
+}
+
+/// One completion queue (and channel) that many connections of a domain share: the
+/// worker's one wake-up source on verbs. See [`SharedCompletions`].
+struct Hub {
+    index: u32,
+    channel: ib::CompletionChannel,
+    /// Signalled when a worker-watched connection got a completion that another
+    /// connection polled (no CQ event announces that one).
+    event: OwnedFd,
+    capacity: u32,
+    st: Mutex<HubState>,
+}
+
+struct HubState {
+    cq: ib::CompletionQueue,
+    wcs: Vec<ib::Completion>,
+    demux: Demux,
+    /// A `req_notify` is outstanding (its event not consumed yet).
+    notify: bool,
+    /// CQ entries the live queue pairs may fill (each reserves its depth).
+    reserved: u32,
+    /// Reservations of closed queue pairs, returned once the CQ was seen empty (their
+    /// flushed completions are gone by then).
+    closing: u32,
+}
+
+impl std::fmt::Debug for Hub {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Verbs")
-            .field("qp_num", &self.qp.qp_num())
+        f.debug_struct("Hub")
+            .field("index", &self.index)
+            .field("capacity", &self.capacity)
             .finish()
+    }
+}
+
+fn signal(w: Wake, hub_event: BorrowedFd<'_>) {
+    match w {
+        Wake::Hub => sys::eventfd_signal(hub_event),
+        Wake::Lone(fd) => sys::eventfd_signal(fd.as_fd()),
+    }
+}
+
+impl HubState {
+    /// Polls the CQ dry: completions of `mine` go to `own`, the others to their mailboxes.
+    fn pump(
+        &mut self,
+        hub_event: BorrowedFd<'_>,
+        mine: Option<u32>,
+        own: &mut dyn FnMut(Wc),
+    ) -> Result<usize> {
+        let mut total = 0;
+        loop {
+            let n = self
+                .cq
+                .poll(&mut self.wcs)
+                .map_err(|e| Error::Protocol(format!("poll_cq: {e}")))?;
+            for c in &mut self.wcs[..n] {
+                let queue = c.queue();
+                let gone = queue.is_none();
+                let wc = Wc {
+                    wr_id: c.wr_id(),
+                    status: c.status(),
+                    byte_len: c.byte_len(),
+                    imm: c.imm(),
+                    recv: queue == Some(ib::QueueKind::Recv),
+                };
+                let qp = c.qp_num();
+                drop(c.take_bufs());
+                if gone {
+                    continue; // a late flush of a destroyed queue pair
+                }
+                if Some(qp) == mine {
+                    own(wc);
+                    total += 1;
+                } else if let Some(w) = self.demux.route(qp, wc) {
+                    signal(w, hub_event);
+                }
+            }
+            if n < self.wcs.len() {
+                self.reserved -= std::mem::take(&mut self.closing);
+                return Ok(total);
+            }
+        }
+    }
+
+    fn req_notify(&mut self) -> Result<()> {
+        if !self.notify {
+            self.cq
+                .req_notify(false)
+                .map_err(|e| Error::Protocol(format!("req_notify_cq: {e}")))?;
+            self.notify = true;
+        }
+        Ok(())
+    }
+}
+
+impl Hub {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HubState> {
+        self.st.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// After a wake-up: consumes the channel's events, routes what the CQ holds, and keeps
+    /// the CQ armed while some connection sleeps on it.
+    fn settle(&self, st: &mut HubState) -> Result<()> {
+        while self.channel.get_event().is_ok() {
+            st.notify = false;
+        }
+        st.pump(self.event.as_fd(), None, &mut |_| {})?;
+        if st.demux.watchers > 0 && !st.notify {
+            st.req_notify()?;
+            // What landed before the arm raised no event.
+            st.pump(self.event.as_fd(), None, &mut |_| {})?;
+        }
+        Ok(())
+    }
+}
+
+impl SharedCompletions for Hub {
+    fn wake_fds(&self) -> Vec<BorrowedFd<'_>> {
+        vec![self.channel.as_fd(), self.event.as_fd()]
+    }
+
+    fn drive(&self, worker: u64, woken: &mut Vec<u64>) -> Result<()> {
+        let mut st = self.lock();
+        sys::eventfd_drain(self.event.as_fd());
+        self.settle(&mut st)?;
+        let base = u64::from(self.index) << 32;
+        st.demux.woken.retain(|&(w, q)| {
+            if w == worker {
+                woken.push(base | u64::from(q));
+            }
+            w != worker
+        });
+        if !st.demux.woken.is_empty() {
+            // Another worker's: it watches the same eventfd.
+            sys::eventfd_signal(self.event.as_fd());
+        }
+        Ok(())
+    }
+}
+
+/// A queue pair's place in a [`Hub`]: its CQ entries and its mailbox, given back on drop
+/// (after the queue pair, which is declared before it wherever both are held).
+struct Seat {
+    hub: Arc<Hub>,
+    depth: u32,
+    qp_num: Option<u32>,
+}
+
+impl Drop for Seat {
+    fn drop(&mut self) {
+        let mut st = self.hub.lock();
+        if let Some(q) = self.qp_num {
+            st.demux.close(q);
+        }
+        st.closing += self.depth;
+    }
+}
+
+impl VerbsDomain {
+    /// A shared CQ with room for a queue pair of `depth` work requests (the first with room,
+    /// else a new one).
+    fn seat(&self, depth: u32) -> Result<Seat> {
+        let mut hubs = self.hubs.lock().unwrap_or_else(|e| e.into_inner());
+        for h in hubs.iter().filter_map(Weak::upgrade) {
+            let mut st = h.lock();
+            if h.capacity - st.reserved >= depth {
+                st.reserved += depth;
+                drop(st);
+                return Ok(Seat {
+                    hub: h,
+                    depth,
+                    qp_num: None,
+                });
+            }
+        }
+        let e = |e: ib::Error| unavailable(e.to_string());
+        let channel = self.ctx.create_comp_channel().map_err(e)?;
+        channel.set_nonblocking(true).map_err(e)?;
+        let want = HUB_CQE.min(self.max_cqe).max(depth);
+        let cq = self.ctx.create_cq_with_channel(want, &channel).map_err(e)?;
+        let capacity = cq.capacity().max(want);
+        let index = match hubs.iter().position(|w| w.strong_count() == 0) {
+            Some(i) => i,
+            None => {
+                hubs.push(Weak::new());
+                hubs.len() - 1
+            }
+        };
+        let hub = Arc::new(Hub {
+            index: index as u32,
+            channel,
+            event: sys::eventfd()?,
+            capacity,
+            st: Mutex::new(HubState {
+                cq,
+                wcs: ib::Completion::buffer(64),
+                demux: Demux::default(),
+                notify: false,
+                reserved: depth,
+                closing: 0,
+            }),
+        });
+        hubs[index] = Arc::downgrade(&hub);
+        Ok(Seat {
+            hub,
+            depth,
+            qp_num: None,
+        })
+    }
+}
+
+/// How long a flush waits for its loopback read.
+const FLUSH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// A queue pair connected to itself, with its own CQ and an 8-byte host landing area: a
+/// flush is an RDMA READ through it of one byte of the flushed memory, after which the
+/// NIC's earlier writes there are visible (the PCIe read orders them; NCCL flushes
+/// GPUDirect receives the same way).
+struct Loopback {
+    qp: ib::QueuePair<ib::Rc>,
+    cq: ib::CompletionQueue,
+    wcs: Vec<ib::Completion>,
+    scratch: ib::MemoryRegion<Vec<u8>, ib::Local>,
+}
+
+impl VerbsDomain {
+    fn make_loopback(&self) -> Result<Loopback> {
+        let e = |e: ib::Error| unavailable(format!("flush queue pair: {e}"));
+        let cq = self.ctx.create_cq(4).map_err(e)?;
+        let mut b = self
+            .pd
+            .queue_pair(&cq, &cq)
+            .port(self.port)
+            .max_send_wr(1)
+            .max_recv_wr(1);
+        if let Some(g) = self.gid {
+            b = b.gid_index(g);
+        }
+        let prepared = b.build_rc().map_err(e)?;
+        let me = prepared.endpoint();
+        let qp = prepared.connect(&me).map_err(e)?;
+        let scratch = self.pd.register(vec![0u8; 8]).map_err(e)?;
+        Ok(Loopback {
+            qp,
+            cq,
+            wcs: ib::Completion::buffer(4),
+            scratch,
+        })
+    }
+
+    /// Reads one byte at `addr` (`rkey`) through the loopback queue pair and waits for it.
+    fn flush_read(&self, addr: u64, rkey: u32) -> Result<()> {
+        let mut g = self.loopback.lock().unwrap_or_else(|e| e.into_inner());
+        if g.is_none() {
+            *g = Some(self.make_loopback()?);
+        }
+        let lb = g.as_mut().expect("made above");
+        let fail = |what: String| Error::Protocol(format!("verbs flush: {what}"));
+        let s = lb.scratch.slice(..1).map_err(|e| fail(e.to_string()))?;
+        let req = ib::SendRequest::read(s, ib::RemoteMemory { addr, len: 1, rkey }).wr_id(1);
+        if let Err(e) = lb.qp.post_send(req) {
+            *g = None;
+            return Err(fail(e.error.to_string()));
+        }
+        let end = Instant::now() + FLUSH_TIMEOUT;
+        loop {
+            let n = lb.cq.poll(&mut lb.wcs).map_err(|e| fail(e.to_string()))?;
+            if n > 0 {
+                let st = lb.wcs[0].status();
+                drop(lb.wcs[0].take_bufs());
+                if st != ib::WcStatus::Success {
+                    // The queue pair is in the error state now: make a new one next time.
+                    *g = None;
+                    return Err(fail(format!("the loopback read failed: {st}")));
+                }
+                return Ok(());
+            }
+            if Instant::now() > end {
+                *g = None;
+                return Err(Error::Timeout("verbs flush (loopback read)"));
+            }
+            std::hint::spin_loop();
+        }
     }
 }
 
 /// A queue pair built but not connected yet.
 struct Prepared {
     qp: ib::PreparedQp<ib::Rc>,
-    cq: ib::CompletionQueue,
-    channel: ib::CompletionChannel,
+    seat: Seat,
     pd: ib::ProtectionDomain,
+    /// Work requests the tracker may have in flight.
+    depth: u32,
+    /// Bytes of each eager receive buffer (0: receives go straight to the caller's).
+    eager: usize,
+}
+
+/// Eager receive buffers per connection (eager mode).
+const EAGER_SLOTS: u32 = 32;
+/// The tag header in front of every eager message.
+const TAG_HEADER: usize = 8;
+
+fn eager_bytes(opts: &Options) -> Result<usize> {
+    match opts.verbs_eager_bytes {
+        0 => Ok(0),
+        n if n <= TAG_HEADER || n > 1 << 30 => Err(Error::InvalidArgument(format!(
+            "Options::verbs_eager_bytes {n}: 0 (off) or {} to 2^30",
+            TAG_HEADER + 1
+        ))),
+        n => Ok(n),
+    }
 }
 
 fn prepare(domain: &Domain) -> Result<Prepared> {
@@ -340,35 +789,52 @@ fn prepare(domain: &Domain) -> Result<Prepared> {
     let vd = verbs_domain(domain)?;
     let (port, gid) = (vd.port, vd.gid);
     let e = |e: ib::Error| unavailable(e.to_string());
-    let ctx = &vd.ctx;
     let pd = vd.pd.clone();
-    let channel = ctx.create_comp_channel().map_err(e)?;
-    channel.set_nonblocking(true).map_err(e)?;
-    let cq = ctx.create_cq_with_channel(CQ_DEPTH, &channel).map_err(e)?;
-    let depth = (opts.max_in_flight as u32).min(CQ_DEPTH / 2);
-    let mut b = pd
-        .queue_pair(&cq, &cq)
-        .port(port)
-        .max_send_wr(depth)
-        .max_recv_wr(depth)
-        .access(ib::RemoteAccess::WRITE | ib::RemoteAccess::READ | ib::RemoteAccess::ATOMIC);
-    if let Some(g) = gid {
-        b = b.gid_index(g);
-    }
-    let qp = b.build_rc().map_err(e)?;
+    let depth = (opts.max_in_flight as u32).clamp(1, CQ_DEPTH / 2);
+    let eager = eager_bytes(opts)?;
+    // Eager mode: the receive queue holds the bounce buffers, not the caller's receives.
+    let recv_wr = if eager > 0 { EAGER_SLOTS } else { depth };
+    let mut seat = vd.seat(depth + if eager > 0 { EAGER_SLOTS } else { 0 })?;
+    let qp = {
+        let st = seat.hub.lock();
+        let mut b = pd
+            .queue_pair(&st.cq, &st.cq)
+            .port(port)
+            .max_send_wr(depth)
+            .max_recv_wr(recv_wr)
+            .max_sge(2, 1)
+            .access(ib::RemoteAccess::WRITE | ib::RemoteAccess::READ | ib::RemoteAccess::ATOMIC);
+        if let Some(g) = gid {
+            b = b.gid_index(g);
+        }
+        b.build_rc().map_err(e)?
+    };
+    let q = qp.qp_num();
+    seat.hub.lock().demux.open(q);
+    seat.qp_num = Some(q);
     Ok(Prepared {
         qp,
-        cq,
-        channel,
+        seat,
         pd,
+        depth,
+        eager,
     })
 }
 
-fn hello(ep: &ib::Endpoint) -> [u8; HELLO_LEN] {
+/// The hello: magic, this side's eager buffer bytes (0: off), the queue pair's endpoint.
+fn hello(ep: &ib::Endpoint, eager: usize) -> [u8; HELLO_LEN] {
     let mut b = [0u8; HELLO_LEN];
     b[..8].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
+    b[8..16].copy_from_slice(&(eager as u64).to_le_bytes());
     b[16..].copy_from_slice(&ep.to_bytes());
     b
+}
+
+/// The peer's eager buffer bytes from its (already decoded) hello.
+fn hello_eager(b: &[u8]) -> u64 {
+    let mut v = [0u8; 8];
+    v.copy_from_slice(&b[8..16]);
+    u64::from_le_bytes(v)
 }
 
 /// Decodes the side-channel hello into the peer's queue-pair endpoint.
@@ -432,7 +898,7 @@ impl Pending {
             .map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
         let _ = s.set_nodelay(true);
         let prepared = prepare(domain)?;
-        let mine = hello(&prepared.qp.endpoint());
+        let mine = hello(&prepared.qp.endpoint(), prepared.eager);
         Ok(Pending {
             s,
             prepared: Some(prepared),
@@ -451,21 +917,32 @@ impl Pending {
             return Ok(None);
         };
         let p = self.prepared.take().expect("prepared once");
-        let qp =
-            p.qp.connect(&peer)
-                .map_err(|e| Error::Protocol(format!("connecting the queue pair: {e}")))?;
+        let theirs = hello_eager(&self.got);
+        if theirs != p.eager as u64 {
+            return Err(Error::Protocol(format!(
+                "the verbs peers disagree on Options::verbs_eager_bytes (here {}, there \
+                 {theirs}): both must set the same value",
+                p.eager
+            )));
+        }
+        let Prepared {
+            qp,
+            seat,
+            pd,
+            depth,
+            eager,
+        } = p;
+        let qp = qp
+            .connect(&peer)
+            .map_err(|e| Error::Protocol(format!("connecting the queue pair: {e}")))?;
         let s = self.s.try_clone().map_err(|e| Error::io("dup", e))?;
-        finish(
-            Verbs {
-                qp,
-                cq: p.cq,
-                channel: p.channel,
-                _pd: p.pd,
-            },
-            s,
-            domain,
-        )
-        .map(Some)
+        let setup = Setup {
+            seat,
+            pd,
+            depth,
+            eager,
+        };
+        finish(qp, setup, s, domain).map(Some)
     }
 }
 
@@ -604,38 +1081,74 @@ impl Connector for VerbsConnector {
     }
 }
 
-fn finish(v: Verbs, sock: TcpStream, domain: &Domain) -> Result<Box<dyn Transport>> {
+/// What a connected queue pair needs from its preparation.
+struct Setup {
+    seat: Seat,
+    pd: ib::ProtectionDomain,
+    depth: u32,
+    eager: usize,
+}
+
+fn finish(
+    mut qp: ib::QueuePair<ib::Rc>,
+    p: Setup,
+    sock: TcpStream,
+    domain: &Domain,
+) -> Result<Box<dyn Transport>> {
     let opts = domain.options();
-    let epoll = sys::epoll_of(&[v.channel.as_fd(), sock.as_fd()])?;
     let conn = next_conn_id();
+    let eager = p.eager > 0;
+    let max_message = opts.max_message.min(1 << 30);
     let caps = Capabilities {
         ordering: MessageOrdering::InOrder,
         one_sided: true,
         atomics: true,
-        max_message: opts.max_message.min(1 << 30),
-        max_in_flight: opts.max_in_flight.min(CQ_DEPTH as usize / 2),
-        inline_size: v.qp.max_inline_data() as usize,
+        max_message,
+        // Every work request is a tracker slot, so the queue pair never has more
+        // completions pending than its seat in the shared CQ reserved.
+        max_in_flight: opts.max_in_flight.clamp(1, p.depth as usize),
+        inline_size: qp.max_inline_data() as usize,
         memory_kinds: MemoryKinds::HOST,
-        // Tags and grouped receives need matching with eager bounce buffers on verbs:
-        // not built yet, so refused (Unsupported) rather than faked.
-        tagged: false,
-        max_group: 0,
+        // Tags and grouped receives need the eager mode (matching after the bytes landed
+        // in a bounce buffer); without it they are refused (Unsupported), not faked.
+        tagged: eager,
+        max_group: if eager { super::MAX_GROUP } else { 0 },
         write_imm: true,
-        unexpected_messages: 0,
-        unexpected_bytes: 0,
-        // RC: a local length error and a remote access error move the QP to ERR.
-        too_long_kills_connection: true,
+        unexpected_messages: if eager { opts.unexpected_messages } else { 0 },
+        unexpected_bytes: if eager { opts.unexpected_bytes } else { 0 },
+        // RC: a local length error moves the QP to ERR; in eager mode the bounce buffer
+        // always fits (the sender's max_message), and only the receive fails.
+        too_long_kills_connection: !eager,
         remote_error_kills_connection: true,
     };
+    let eager = if eager {
+        let e = Eager {
+            rx: domain.register(EAGER_SLOTS as usize * p.eager, Access::LOCAL_WRITE)?,
+            size: p.eager,
+            hdr: domain.register(caps.max_in_flight * TAG_HEADER, Access::empty())?,
+            held: VecDeque::new(),
+        };
+        for i in 0..EAGER_SLOTS as usize {
+            post_bounce(&mut qp, &e, i)?;
+        }
+        Some(e)
+    } else {
+        None
+    };
+    let qp_num = qp.qp_num();
     let hal = VerbsHal {
         conn,
-        v,
+        qp,
+        qp_num,
+        eager,
+        seat: p.seat,
         sock,
-        epoll,
-        wcs: ib::Completion::buffer(64),
-        stashed: 0,
+        lone: OnceLock::new(),
+        attached: None,
         idle: 0,
         armed: false,
+        _pd: p.pd,
+        domain: domain.clone(),
     };
     Ok(Box::new(Endpoint::in_domain(
         domain.clone(),
@@ -644,23 +1157,168 @@ fn finish(v: Verbs, sock: TcpStream, domain: &Domain) -> Result<Box<dyn Transpor
     )))
 }
 
+/// Eager mode: the receive queue holds [`EAGER_SLOTS`] bounce buffers; each message lands
+/// in one (an 8-byte tag, then the payload), is matched by the tracker and copied into
+/// its receive (or into the unexpected queue), and the buffer is posted again. A message
+/// that cannot be placed yet (no receive posted; unexpected queue full) keeps its buffer
+/// (`held`, in arrival order) until it can: with every buffer held the sender waits
+/// (receiver not ready), as a tcp frame waits on the wire.
+#[derive(Debug)]
+struct Eager {
+    rx: Region,
+    size: usize,
+    /// One tag header per tracker slot (a send's slot index picks it).
+    hdr: Region,
+    held: VecDeque<(usize, Wc)>,
+}
+
+fn post_bounce(qp: &mut ib::QueuePair<ib::Rc>, e: &Eager, i: usize) -> Result<()> {
+    let b = backing_of(&e.rx).ok_or(Error::Foreign("eager buffers without a registration"))?;
+    let slice = b
+        .full
+        .slice(i * e.size..(i + 1) * e.size)
+        .map_err(|e| Error::Protocol(e.to_string()))?;
+    qp.post_recv(slice, i as u64)
+        .map_err(|e| Error::Protocol(format!("post_recv (eager buffer): {}", e.error)))
+}
+
+/// Places the message in bounce buffer `i` (completion `wc`): `false` when it must wait.
+fn place(t: &mut Tracker, e: &Eager, i: usize, wc: Wc) -> bool {
+    let total = wc.byte_len as usize;
+    if let Some(imm) = wc.imm {
+        // A write-imm notification (no payload here): a receive matching tag 0 takes it.
+        match t.match_message(0) {
+            Some(at) => {
+                t.complete_recv(at, Status::Success, total, 0, Some(imm));
+            }
+            None => {
+                if !t.has_posted_recv() || t.stash_begin(0, Some(imm), total, 0).is_none() {
+                    return false;
+                }
+                t.stash_end();
+            }
+        }
+        return true;
+    }
+    if total < TAG_HEADER || total > e.size {
+        t.fail_all(
+            Status::ProtocolError,
+            "verbs eager message without its tag header",
+        );
+        return true;
+    }
+    // SAFETY: bounce buffer `i` (inside the region: `total <= size`) has completed and is
+    // not posted again before this borrow ends, so the NIC does not write it; `e.rx` keeps
+    // the memory alive; nothing else writes it.
+    let bytes = unsafe { std::slice::from_raw_parts(e.rx.base().add(i * e.size), total) };
+    let mut tag = [0u8; TAG_HEADER];
+    tag.copy_from_slice(&bytes[..TAG_HEADER]);
+    let tag = u64::from_le_bytes(tag);
+    let payload = &bytes[TAG_HEADER..];
+    let len = payload.len();
+    match t.match_message(tag) {
+        Some(at) => {
+            let status = match t.recv_buf(at) {
+                Some(buf) if len > buf.len() => Status::MessageTooLong,
+                Some(buf) if buf.copy_from(payload).is_ok() => Status::Success,
+                _ => Status::ProtocolError,
+            };
+            t.complete_recv(at, status, len, tag, None);
+        }
+        None => {
+            if !t.has_posted_recv() || t.stash_begin(tag, None, len, len).is_none() {
+                return false;
+            }
+            t.stash_fill(0, payload);
+            t.stash_end();
+        }
+    }
+    true
+}
+
+/// A receive-queue completion in eager mode.
+fn on_bounce(t: &mut Tracker, e: &mut Eager, qp: &mut ib::QueuePair<ib::Rc>, wc: Wc) {
+    let i = wc.wr_id as usize;
+    if wc.status != ib::WcStatus::Success {
+        if wc.status != ib::WcStatus::WrFlush {
+            t.fail_all(
+                map_status(wc.status),
+                format!("verbs completion error: {}", wc.status),
+            );
+        }
+        return;
+    }
+    if !e.held.is_empty() || !place(t, e, i, wc) {
+        e.held.push_back((i, wc));
+        return;
+    }
+    if let Err(err) = post_bounce(qp, e, i) {
+        t.fail_all(Status::ProtocolError, err.to_string());
+    }
+}
+
+/// Places held messages that can go now (a receive was posted, the queue made room).
+fn run_held(t: &mut Tracker, e: &mut Eager, qp: &mut ib::QueuePair<ib::Rc>) -> Result<bool> {
+    let mut moved = false;
+    while let Some(&(i, wc)) = e.held.front() {
+        if !place(t, e, i, wc) {
+            break;
+        }
+        e.held.pop_front();
+        post_bounce(qp, e, i)?;
+        moved = true;
+    }
+    Ok(moved)
+}
+
+/// What a connection that sleeps alone (no worker holds it) waits on: an epoll of the
+/// shared CQ's channel, the side-channel socket and its own eventfd (signalled when another
+/// connection polled a completion of this one). Made on first need.
+#[derive(Debug)]
+struct Lone {
+    epoll: OwnedFd,
+    event: Arc<OwnedFd>,
+}
+
+impl Lone {
+    fn new(hub: &Hub, sock: &TcpStream) -> Result<Lone> {
+        let event = sys::eventfd()?;
+        let epoll = sys::epoll_of(&[hub.channel.as_fd(), sock.as_fd(), event.as_fd()])?;
+        Ok(Lone {
+            epoll,
+            event: Arc::new(event),
+        })
+    }
+}
+
+/// One connection: its queue pair (its CQ is the domain's shared one) and side socket.
+/// Field order is drop order: the queue pair before its seat in the CQ.
 struct VerbsHal {
     conn: u64,
-    v: Verbs,
+    qp: ib::QueuePair<ib::Rc>,
+    qp_num: u32,
+    /// Eager mode's buffers (after the queue pair: dropped once it is destroyed).
+    eager: Option<Eager>,
+    seat: Seat,
     sock: TcpStream,
-    epoll: OwnedFd,
-    wcs: Vec<ib::Completion>,
-    /// Completions `arm` polled (`wcs[..stashed]`), for the next `reap`.
-    stashed: usize,
+    lone: OnceLock<Option<Lone>>,
+    /// The worker that holds it (and watches the shared CQ for it).
+    attached: Option<u64>,
     idle: u32,
+    /// Its mailbox is watched (`arm` returned true).
     armed: bool,
+    _pd: ib::ProtectionDomain,
+    /// For flushes (the domain's loopback queue pair).
+    domain: Domain,
 }
 
 impl std::fmt::Debug for VerbsHal {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("VerbsHal")
             .field("conn", &self.conn)
-            .field("v", &self.v)
+            .field("qp_num", &self.qp_num)
+            .field("hub", &self.seat.hub)
+            .field("attached", &self.attached)
             .finish()
     }
 }
@@ -692,9 +1350,12 @@ impl VerbsHal {
 
     fn submit(&mut self, t: &mut Tracker) -> Result<bool> {
         let mut moved = false;
-        while let Some(token) = t.recv_front() {
+        if let Some(e) = self.eager.as_mut() {
+            moved |= run_held(t, e, &mut self.qp)?;
+        }
+        while let Some(token) = t.recv_front().filter(|_| self.eager.is_none()) {
             let slice = Self::local(t, token)?;
-            match self.v.qp.post_recv(slice, token.0) {
+            match self.qp.post_recv(slice, token.0) {
                 Ok(()) => {
                     t.recv_pop();
                     moved = true;
@@ -705,9 +1366,9 @@ impl VerbsHal {
         }
         while let Some(token) = t.submit_front() {
             let slice = Self::local(t, token)?;
-            let (desc, imm) = {
+            let (desc, imm, tag) = {
                 let p = t.live(token, "verbs submission")?;
-                (p.desc, p.imm)
+                (p.desc, p.imm, p.tag)
             };
             let remote = |key: &crate::RemoteKey, off: u64, len: u64| ib::RemoteMemory {
                 addr: key.addr + off,
@@ -715,7 +1376,10 @@ impl VerbsHal {
                 rkey: key.rkey,
             };
             let req = match desc {
-                OpDesc::Send => ib::SendRequest::send(slice),
+                OpDesc::Send => match &self.eager {
+                    None => ib::SendRequest::send(slice),
+                    Some(e) => ib::SendRequest::send(tagged(e, token, tag, slice)?),
+                },
                 OpDesc::Write { key, off } => {
                     let l = slice.len() as u64;
                     let w = ib::SendRequest::write(slice, remote(&key, off, l));
@@ -739,7 +1403,7 @@ impl VerbsHal {
                 },
                 OpDesc::Recv => unreachable!("receives are not submissions"),
             };
-            match self.v.qp.post_send(req.wr_id(token.0)) {
+            match self.qp.post_send(req.wr_id(token.0)) {
                 Ok(()) => {
                     t.submit_pop();
                     moved = true;
@@ -757,47 +1421,89 @@ impl VerbsHal {
         Ok(moved)
     }
 
+    /// Takes this connection's completions: those another connection routed to its
+    /// mailbox, then what the shared CQ holds (routing the others').
     fn reap(&mut self, t: &mut Tracker) -> Result<bool> {
-        let n = match std::mem::take(&mut self.stashed) {
-            0 => self
-                .v
-                .cq
-                .poll(&mut self.wcs)
-                .map_err(|e| Error::Protocol(format!("poll_cq: {e}")))?,
-            stashed => stashed,
+        let me = self.qp_num;
+        let VerbsHal {
+            seat, eager, qp, ..
+        } = self;
+        let hub = &seat.hub;
+        let mut st = hub.lock();
+        let mut n = 0;
+        let mut on = |wc: Wc| match eager.as_mut() {
+            Some(e) if wc.recv => on_bounce(t, e, qp, wc),
+            _ => complete(t, wc),
         };
-        for c in &mut self.wcs[..n] {
-            let token = Token(c.wr_id());
-            let status = map_status(c.status());
-            drop(c.take_bufs());
-            let Some(p) = t.get(token) else {
-                continue; // flushed after a local failure: already completed
-            };
-            let (len, value) = match p.desc {
-                OpDesc::Recv => (c.byte_len() as usize, 0),
-                OpDesc::Atomic { .. } => (
-                    8,
-                    if status.is_ok() {
-                        p.buf.read_u64().unwrap_or(0)
-                    } else {
-                        0
-                    },
-                ),
-                _ => (p.buf.len(), 0),
-            };
-            if p.desc == OpDesc::Recv {
-                // A write-imm notification completes a receive with its immediate.
-                let at = crate::tracker::RecvRef { token, part: 0 };
-                t.complete_recv(at, status, len, 0, c.imm());
-            } else {
-                t.complete(token, status, len, value);
-            }
-            if !status.is_ok() && status != Status::MessageTooLong {
-                // The QP is in the error state: everything else will flush.
-                t.fail_all(status, format!("verbs completion error: {}", c.status()));
-            }
+        while let Some(wc) = st.demux.take(me) {
+            on(wc);
+            n += 1;
         }
+        n += st.pump(hub.event.as_fd(), Some(me), &mut on)?;
         Ok(n > 0)
+    }
+
+    fn lone(&self) -> Option<&Lone> {
+        self.lone
+            .get_or_init(|| Lone::new(&self.seat.hub, &self.sock).ok())
+            .as_ref()
+    }
+
+    fn unwatch(&mut self) {
+        if std::mem::take(&mut self.armed) {
+            self.seat.hub.lock().demux.unwatch(self.qp_num);
+        }
+    }
+}
+
+/// The scatter list of an eager-mode send: its tag header (in the slot's header cell),
+/// then the payload.
+fn tagged(e: &Eager, token: Token, tag: u64, payload: ib::MrSlice) -> Result<ib::SgList> {
+    let at = (token.0 & u64::from(u32::MAX)) as usize * TAG_HEADER;
+    e.hdr.write_at(at, &tag.to_le_bytes())?;
+    let b = backing_of(&e.hdr).ok_or(Error::Foreign("tag headers without a registration"))?;
+    let h = b
+        .full
+        .slice(at..at + TAG_HEADER)
+        .map_err(|e| Error::Protocol(e.to_string()))?;
+    let mut sg = ib::SgList::new();
+    let full = |_| Error::Protocol("verbs send: scatter list full".into());
+    sg.push(h).map_err(full)?;
+    if !payload.is_empty() {
+        sg.push(payload).map_err(full)?;
+    }
+    Ok(sg)
+}
+
+/// Hands one completion to the tracker.
+fn complete(t: &mut Tracker, wc: Wc) {
+    let token = Token(wc.wr_id);
+    let status = map_status(wc.status);
+    let Some(p) = t.get(token) else {
+        return; // flushed after a local failure: already completed
+    };
+    let (len, value) = match p.desc {
+        OpDesc::Recv => (wc.byte_len as usize, 0),
+        OpDesc::Atomic { .. } => (
+            8,
+            if status.is_ok() {
+                p.buf.read_u64().unwrap_or(0)
+            } else {
+                0
+            },
+        ),
+        _ => (p.buf.len(), 0),
+    };
+    if p.desc == OpDesc::Recv {
+        // A write-imm notification completes a receive with its immediate.
+        let at = crate::tracker::RecvRef { token, part: 0 };
+        t.complete_recv(at, status, len, 0, wc.imm);
+    } else {
+        t.complete(token, status, len, value);
+    }
+    if !status.is_ok() && status != Status::MessageTooLong {
+        // The QP is in the error state: everything else will flush.
+        t.fail_all(status, format!("verbs completion error: {}", wc.status));
     }
 }
 
@@ -806,11 +1512,57 @@ impl Hal for VerbsHal {
         TransportKind::Verbs
     }
 
+    fn flush_device(&mut self, t: &mut Tracker, buf: Buf, wr_id: u64) -> PostResult {
+        let Some(key) = buf
+            .region()
+            .remote_key()
+            .filter(|k| k.access().contains(Access::REMOTE_READ))
+        else {
+            return Err(PostError {
+                error: Error::AccessDenied(
+                    "REMOTE_READ (a verbs flush reads the memory through the NIC: register \
+                     it with REMOTE_READ)",
+                ),
+                buf,
+            });
+        };
+        if !buf.is_empty() {
+            let at = key.addr + buf.offset() as u64;
+            let read = verbs_domain(&self.domain).and_then(|vd| vd.flush_read(at, key.rkey));
+            if let Err(error) = read {
+                return Err(PostError { error, buf });
+            }
+        }
+        t.post_flush_done(buf, wr_id).map(|_| ())
+    }
+
+    fn max_send(&self) -> usize {
+        match &self.eager {
+            // Sends must fit a bounce buffer after the tag; receives and one-sided
+            // operations keep max_message.
+            Some(e) => e.size - TAG_HEADER,
+            None => usize::MAX,
+        }
+    }
+
+    fn attach_worker(&mut self, worker: Option<u64>) -> Option<u64> {
+        self.unwatch();
+        self.attached = worker;
+        Some((u64::from(self.seat.hub.index) << 32) | u64::from(self.qp_num))
+    }
+
     fn progress(&mut self, t: &mut Tracker) -> Result<()> {
         if self.armed {
-            self.armed = false;
-            // Acknowledge the channel event, if any (non-blocking).
-            let _ = self.v.channel.get_event();
+            self.unwatch();
+            if self.attached.is_none() {
+                // Woken alone: take the channel's event (the worker does that for those
+                // it holds) and our eventfd's signal.
+                if let Some(l) = self.lone() {
+                    sys::eventfd_drain(l.event.as_fd());
+                }
+                let hub = &self.seat.hub;
+                hub.settle(&mut hub.lock())?;
+            }
             self.idle = CHECK_EVERY - 1;
         }
         let mut moved = self.submit(t)?;
@@ -825,7 +1577,7 @@ impl Hal for VerbsHal {
                 self.idle = 0;
                 if sys::peer_hung_up(self.sock.as_fd()) {
                     while self.reap(t)? {}
-                    let _ = self.v.qp.set_error();
+                    let _ = self.qp.set_error();
                     t.fail_all(Status::PeerGone, "verbs peer hung up (side channel closed)");
                 }
             }
@@ -834,25 +1586,159 @@ impl Hal for VerbsHal {
     }
 
     fn wait_fd(&self) -> BorrowedFd<'_> {
-        self.epoll.as_fd()
+        if self.attached.is_some() {
+            // The worker watches the shared CQ; this fd only tells of a hang-up.
+            return self.sock.as_fd();
+        }
+        match self.lone() {
+            Some(l) => l.epoll.as_fd(),
+            // No fds left for the epoll: `arm` reports it (the socket still tells of a
+            // hang-up).
+            None => self.sock.as_fd(),
+        }
     }
 
     fn arm(&mut self, t: &Tracker) -> Result<bool> {
-        self.v
-            .cq
-            .req_notify(false)
-            .map_err(|e| Error::Protocol(format!("req_notify_cq: {e}")))?;
-        self.armed = true;
-        // A completion that landed before the arm raises no event: look again, in the CQ
-        // too (one reaped since the last poll waits in `wcs` for the next `reap`).
-        if self.stashed == 0 {
-            self.stashed = self
-                .v
-                .cq
-                .poll(&mut self.wcs)
-                .map_err(|e| Error::Protocol(format!("poll_cq: {e}")))?;
+        let watch = if let Some(w) = self.attached {
+            Watch::Worker(w)
+        } else {
+            match self.lone() {
+                Some(l) => Watch::Lone(l.event.clone()),
+                None => {
+                    return Err(Error::io(
+                        "verbs wait fd (epoll_create1 / eventfd)",
+                        io::Error::other("could not be created (file descriptor limit?)"),
+                    ))
+                }
+            }
+        };
+        let me = self.qp_num;
+        let hub = &self.seat.hub;
+        let mut st = hub.lock();
+        st.req_notify()?;
+        // A completion that landed before the arm raises no event: route what the CQ has.
+        st.pump(hub.event.as_fd(), None, &mut |_| {})?;
+        if t.ready_len() > 0 || st.demux.has_mail(me) || sys::peer_hung_up(self.sock.as_fd()) {
+            return Ok(false);
         }
-        let work = self.stashed > 0 || t.ready_len() > 0 || sys::peer_hung_up(self.sock.as_fd());
-        Ok(!work)
+        self.armed = st.demux.watch(me, watch);
+        Ok(self.armed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wc(wr_id: u64) -> Wc {
+        Wc {
+            wr_id,
+            status: ib::WcStatus::Success,
+            byte_len: 8,
+            imm: None,
+            recv: false,
+        }
+    }
+
+    #[test]
+    fn completions_reach_their_queue_pair_in_order() {
+        let mut d = Demux::default();
+        d.open(7);
+        d.open(9);
+        assert!(d.route(7, wc(1)).is_none());
+        assert!(d.route(9, wc(2)).is_none());
+        assert!(d.route(7, wc(3)).is_none());
+        // A closed (or unknown) queue pair's completion is dropped.
+        assert!(d.route(11, wc(4)).is_none());
+        assert_eq!(d.take(7), Some(wc(1)));
+        assert_eq!(d.take(7), Some(wc(3)));
+        assert_eq!(d.take(7), None);
+        assert_eq!(d.take(9), Some(wc(2)));
+        assert_eq!(d.take(11), None);
+    }
+
+    #[test]
+    fn a_watched_mailbox_wakes_its_sleeper_once() {
+        let mut d = Demux::default();
+        d.open(1);
+        d.open(2);
+        d.open(3);
+        assert!(d.watch(1, Watch::Worker(1)));
+        assert!(d.watch(2, Watch::Worker(1)));
+        let fd = Arc::new(sys::eventfd().unwrap());
+        assert!(d.watch(3, Watch::Lone(fd.clone())));
+        assert_eq!(d.watchers, 3);
+        // The first worker wake-up signals, the second only joins the list.
+        assert!(matches!(d.route(2, wc(5)), Some(Wake::Hub)));
+        assert!(d.route(1, wc(6)).is_none());
+        assert_eq!(d.woken, vec![(1, 2), (1, 1)]);
+        // Woken once: the next completion of the same queue pair signals nobody.
+        assert!(d.route(2, wc(7)).is_none());
+        match d.route(3, wc(8)) {
+            Some(Wake::Lone(f)) => assert!(Arc::ptr_eq(&f, &fd)),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(d.watchers, 0);
+    }
+
+    /// The flush's loopback read on host memory (what rxe allows: it cannot register GPU
+    /// memory): a good key reads, a bad one fails typed, and the next flush works again.
+    #[test]
+    fn verbs_loopback_flush_read() {
+        let d = match Domain::open(TransportKind::Verbs, &Options::default()) {
+            Ok(d) => d,
+            Err(e) => {
+                println!("skipped: verbs_loopback_flush_read: no RDMA device ({e}) [lacks rdma]");
+                return;
+            }
+        };
+        let r = d.register(4096, Access::REMOTE_READ).unwrap();
+        let key = r.remote_key().unwrap();
+        let vd = verbs_domain(&d).unwrap();
+        vd.flush_read(key.addr + 100, key.rkey).unwrap();
+        let e = vd.flush_read(key.addr, key.rkey ^ 0x55).unwrap_err();
+        assert!(matches!(e, Error::Protocol(_)), "{e}");
+        vd.flush_read(key.addr + 4095, key.rkey).unwrap();
+        let e = vd.flush_read(key.addr + 4096, key.rkey).unwrap_err();
+        assert!(matches!(e, Error::Protocol(_)), "{e}");
+        println!("verbs: loopback flush reads (good key, bad key refused, out of bounds refused)");
+    }
+
+    #[test]
+    fn each_worker_is_told_only_of_its_own_endpoints() {
+        let mut d = Demux::default();
+        d.open(1);
+        d.open(2);
+        assert!(d.watch(1, Watch::Worker(10)));
+        assert!(d.watch(2, Watch::Worker(20)));
+        assert!(matches!(d.route(1, wc(1)), Some(Wake::Hub)));
+        assert!(d.route(2, wc(2)).is_none());
+        assert_eq!(d.woken, vec![(10, 1), (20, 2)]);
+    }
+
+    #[test]
+    fn mail_already_waiting_refuses_the_watch() {
+        let mut d = Demux::default();
+        d.open(4);
+        assert!(d.route(4, wc(1)).is_none());
+        assert!(d.has_mail(4));
+        assert!(!d.watch(4, Watch::Worker(1)));
+        assert_eq!(d.watchers, 0);
+        assert_eq!(d.take(4), Some(wc(1)));
+        assert!(d.watch(4, Watch::Worker(1)));
+        d.unwatch(4);
+        d.unwatch(4);
+        assert_eq!(d.watchers, 0);
+        // Closing a watched, woken queue pair forgets it everywhere.
+        assert!(d.watch(4, Watch::Worker(1)));
+        assert!(d.route(4, wc(2)).is_some());
+        assert!(!d.watch(4, Watch::Worker(1)), "mail waits");
+        d.close(4);
+        assert!(d.woken.is_empty());
+        assert_eq!(d.watchers, 0);
+        assert!(
+            !d.watch(4, Watch::Worker(1)),
+            "no mailbox: nothing to watch"
+        );
     }
 }
