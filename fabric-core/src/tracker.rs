@@ -421,9 +421,9 @@ impl Tracker {
             (OpDesc::Write { .. }, Some(_)) => OpKind::WriteImm,
             _ => desc.kind(),
         };
-        let send_tag = if desc == OpDesc::Send { tag } else { 0 };
+        let send_tag = if matches!(desc, OpDesc::Send) { tag } else { 0 };
         let token = self.insert(desc, kind, buf, wr_id, send_tag, imm)?;
-        if desc == OpDesc::Recv {
+        if matches!(desc, OpDesc::Recv) {
             self.enqueue_recv(RecvRef { token, part: 0 }, tag, mask);
         } else {
             // Capacity equals the slot count, so this never reallocates.
@@ -844,7 +844,16 @@ impl Tracker {
     }
 
     /// Moves finished operations into `out` (in completion order); returns how many.
+    #[inline]
     pub fn take(&mut self, out: &mut [Completion]) -> usize {
+        if self.ready.is_empty() {
+            return 0;
+        }
+        self.take_ready(out)
+    }
+
+    #[inline(never)]
+    fn take_ready(&mut self, out: &mut [Completion]) -> usize {
         let mut n = 0;
         while n < out.len() {
             let Some(t) = self.ready.pop_front() else {

@@ -219,10 +219,18 @@ impl Announcer {
     }
 
     /// Sends what the socket takes now; `Ok(true)` when nothing is left queued.
+    /// (One atomic load when nothing is queued: the rest is out of line.)
+    #[inline]
     fn flush(&self) -> Result<bool> {
         if self.queued.load(Ordering::Acquire) == 0 {
             return Ok(true);
         }
+        self.flush_queued()
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn flush_queued(&self) -> Result<bool> {
         let mut g = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         let g = &mut *g;
         let mut moved = false;
@@ -793,6 +801,41 @@ enum Step {
 }
 
 impl ShmHal {
+    /// Leaves the sleeping state `arm` entered (nothing to do on the hot path).
+    #[inline]
+    fn unarm(&mut self) {
+        if self.armed {
+            self.armed = false;
+            self.chan.sleeping(self.side).store(0, Ordering::Relaxed);
+            sys::eventfd_drain(self.efd.as_fd());
+            self.idle = CHECK_EVERY - 1;
+        }
+    }
+
+    /// Runs queued submissions in order until one blocks; whether any byte moved.
+    #[inline]
+    fn submit_all(&mut self, t: &mut Tracker) -> Result<bool> {
+        if !t.has_submissions() {
+            return Ok(false);
+        }
+        self.submit_queued(t)
+    }
+
+    #[inline(never)]
+    fn submit_queued(&mut self, t: &mut Tracker) -> Result<bool> {
+        let mut moved = false;
+        while let Some(tok) = t.submit_front() {
+            match self.submit_one(t, tok)? {
+                Step::Done => moved = true,
+                Step::Blocked(progressed) => {
+                    moved |= progressed;
+                    break;
+                }
+            }
+        }
+        Ok(moved)
+    }
+
     fn notify_peer(&self) {
         fence(Ordering::SeqCst);
         if self.chan.sleeping(1 - self.side).load(Ordering::Relaxed) != 0 {
@@ -973,8 +1016,18 @@ impl ShmHal {
     /// Takes the peer's region announcements off the Unix socket (the control path),
     /// independently of the message rings: one atomic load when there are none. A count
     /// that runs ahead of the socket is "not yet" (the peer bumps it after sending).
+    #[inline]
     fn take_announcements(&mut self) -> Result<()> {
         let sent = self.chan.announced(1 - self.side).load(Ordering::Acquire);
+        if self.ann_taken < sent {
+            self.take_announcements_up_to(sent)?;
+        }
+        Ok(())
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn take_announcements_up_to(&mut self, sent: u64) -> Result<()> {
         while self.ann_taken < sent {
             if !self.take_announcement()? {
                 break;
@@ -1053,7 +1106,18 @@ impl ShmHal {
         Ok(true)
     }
 
+    /// Takes incoming records (at most 64 per call); whether any was taken. One load
+    /// of the ring's tail when it is empty: the rest is out of line.
+    #[inline]
     fn receive(&mut self, t: &mut Tracker) -> Result<bool> {
+        if self.rx.is_empty() {
+            return Ok(false);
+        }
+        self.receive_records(t)
+    }
+
+    #[inline(never)]
+    fn receive_records(&mut self, t: &mut Tracker) -> Result<bool> {
         let mut any = false;
         for _ in 0..64 {
             let Some(rec) = self.rx.peek().map_err(|e| Error::Protocol(e.to_string()))? else {
@@ -1354,12 +1418,7 @@ impl Hal for ShmHal {
     }
 
     fn progress(&mut self, t: &mut Tracker) -> Result<()> {
-        if self.armed {
-            self.armed = false;
-            self.chan.sleeping(self.side).store(0, Ordering::Relaxed);
-            sys::eventfd_drain(self.efd.as_fd());
-            self.idle = CHECK_EVERY - 1;
-        }
+        self.unarm();
         if let Err(e) = self.announcer.flush() {
             if sys::peer_hung_up(self.sock.as_fd()) {
                 while self.receive(t)? {}
@@ -1369,16 +1428,7 @@ impl Hal for ShmHal {
             return Err(e);
         }
         self.take_announcements()?;
-        let mut moved = false;
-        while let Some(tok) = t.submit_front() {
-            match self.submit_one(t, tok)? {
-                Step::Done => moved = true,
-                Step::Blocked(progressed) => {
-                    moved |= progressed;
-                    break;
-                }
-            }
-        }
+        let mut moved = self.submit_all(t)?;
         if self.receive(t)? {
             moved = true;
         }
@@ -1410,6 +1460,22 @@ impl Hal for ShmHal {
                     t.fail_all(Status::PeerGone, "shm peer hung up");
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// A post only starts what it queued: a send is copied into the ring (or its
+    /// rendezvous record pushed) and the peer woken if it sleeps; a receive does nothing
+    /// here (a message waiting for it stays in the ring, which `arm` sees). Incoming
+    /// records, finished rendezvous sends and announcements wait for the next `poll`.
+    fn post_kick(&mut self, t: &mut Tracker, recv: bool) -> Result<()> {
+        if recv {
+            return Ok(());
+        }
+        self.unarm();
+        if self.submit_all(t)? {
+            self.idle = 0;
+            self.notify_peer();
         }
         Ok(())
     }
