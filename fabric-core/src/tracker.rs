@@ -512,6 +512,11 @@ impl Tracker {
     /// The oldest posted receive (part) that a message tagged `tag` matches, taken off
     /// the receive queue; `None` when none matches (the message is unexpected).
     pub fn match_message(&mut self, tag: u64) -> Option<RecvRef> {
+        // The common case (in-order traffic, plain receives): the oldest receive takes it.
+        let front = self.recv.front()?;
+        if tag_matches(tag, front.tag, front.mask) {
+            return self.recv.pop_front().map(|p| p.at);
+        }
         let i = self
             .recv
             .iter()
