@@ -836,6 +836,51 @@ impl ShmHal {
         Ok(moved)
     }
 
+    /// Completes our rendezvous sends the peer counted finished; whether any did.
+    #[inline(never)]
+    fn rndv_finished(&mut self, t: &mut Tracker) -> Result<bool> {
+        let done = self.chan.rndv_done(1 - self.side).load(Ordering::Acquire);
+        if done < self.rndv_seen || done - self.rndv_seen > self.rndv_out.len() as u64 {
+            return Err(Error::Protocol("rendezvous counter out of range".into()));
+        }
+        let mut moved = false;
+        while self.rndv_seen < done {
+            self.rndv_seen += 1;
+            let Some(tok) = self.rndv_out.pop_front() else {
+                return Err(Error::Protocol("rendezvous counter out of range".into()));
+            };
+            let n = t.get(tok).map_or(0, |p| p.buf.len());
+            t.complete(tok, Status::Success, n, 0);
+            moved = true;
+        }
+        Ok(moved)
+    }
+
+    /// The control socket failed: a peer that hung up fails the connection's operations
+    /// (after what it published is delivered); anything else is the caller's error.
+    #[cold]
+    #[inline(never)]
+    fn control_failed(&mut self, t: &mut Tracker, e: Error) -> Result<()> {
+        if sys::peer_hung_up(self.sock.as_fd()) {
+            while self.receive(t)? {}
+            t.fail_all(Status::PeerGone, "shm peer hung up");
+            return Ok(());
+        }
+        Err(e)
+    }
+
+    /// Every `CHECK_EVERY` idle passes: whether the peer is gone (one `poll(2)`).
+    #[cold]
+    #[inline(never)]
+    fn check_peer_alive(&mut self, t: &mut Tracker) -> Result<()> {
+        if sys::peer_hung_up(self.sock.as_fd()) {
+            // Whatever the peer published before dying is still delivered.
+            while self.receive(t)? {}
+            t.fail_all(Status::PeerGone, "shm peer hung up");
+        }
+        Ok(())
+    }
+
     fn notify_peer(&self) {
         fence(Ordering::SeqCst);
         if self.chan.sleeping(1 - self.side).load(Ordering::Relaxed) != 0 {
@@ -1420,32 +1465,15 @@ impl Hal for ShmHal {
     fn progress(&mut self, t: &mut Tracker) -> Result<()> {
         self.unarm();
         if let Err(e) = self.announcer.flush() {
-            if sys::peer_hung_up(self.sock.as_fd()) {
-                while self.receive(t)? {}
-                t.fail_all(Status::PeerGone, "shm peer hung up");
-                return Ok(());
-            }
-            return Err(e);
+            return self.control_failed(t, e);
         }
         self.take_announcements()?;
         let mut moved = self.submit_all(t)?;
         if self.receive(t)? {
             moved = true;
         }
-        if !self.rndv_out.is_empty() {
-            let done = self.chan.rndv_done(1 - self.side).load(Ordering::Acquire);
-            if done < self.rndv_seen || done - self.rndv_seen > self.rndv_out.len() as u64 {
-                return Err(Error::Protocol("rendezvous counter out of range".into()));
-            }
-            while self.rndv_seen < done {
-                self.rndv_seen += 1;
-                let Some(tok) = self.rndv_out.pop_front() else {
-                    return Err(Error::Protocol("rendezvous counter out of range".into()));
-                };
-                let n = t.get(tok).map_or(0, |p| p.buf.len());
-                t.complete(tok, Status::Success, n, 0);
-                moved = true;
-            }
+        if !self.rndv_out.is_empty() && self.rndv_finished(t)? {
+            moved = true;
         }
         if moved {
             self.idle = 0;
@@ -1454,11 +1482,7 @@ impl Hal for ShmHal {
             self.idle += 1;
             if self.idle >= CHECK_EVERY {
                 self.idle = 0;
-                if sys::peer_hung_up(self.sock.as_fd()) {
-                    // Whatever the peer published before dying is still delivered.
-                    while self.receive(t)? {}
-                    t.fail_all(Status::PeerGone, "shm peer hung up");
-                }
+                self.check_peer_alive(t)?;
             }
         }
         Ok(())
