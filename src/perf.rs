@@ -8,9 +8,11 @@
 //! Buffers are the caller's own (page-aligned [`AlignedBuf`]s registered in place on the
 //! connection's domain), as a library using fabric-core would hold them. Two exceptions,
 //! each where the backend says caller memory cannot serve: shm's one-sided target (a peer
-//! can only address memory it maps: `Unsupported` at registration), and shm's send buffer,
-//! which is fabric-core memory so that large sends go by rendezvous (the peer copies
-//! straight out of its memfd: one copy; caller memory would take the eager path's two).
+//! can only address memory it maps: `Unsupported` at registration), and shm's send
+//! buffers, which are fabric-core memory so that large sends go by rendezvous (the peer
+//! copies straight out of its memfd: one copy; caller memory would take the eager path's
+//! two). The responder's receive buffers are send buffers too: it echoes a ping-pong
+//! message straight out of the buffer it arrived in.
 
 use std::time::{Duration, Instant};
 
@@ -244,7 +246,8 @@ fn parse_ctrl(b: &[u8]) -> fabric_core::Result<(Mode, usize, usize)> {
 /// Transport failures or a peer breaking the protocol.
 pub fn respond(peer: &mut Peer, max: usize) -> fabric_core::Result<()> {
     let slot = max.max(CTRL_LEN).max(RemoteKey::PACKED_LEN);
-    let rx = buffer(peer.conn.as_mut(), slot * WINDOW, Access::empty())?;
+    // The echo goes out of the receive buffer: a send buffer (see the module docs).
+    let rx = send_buffer(peer.conn.as_mut(), slot * WINDOW)?;
     let tx = send_buffer(peer.conn.as_mut(), slot)?;
     let target = buffer(
         peer.conn.as_mut(),

@@ -421,9 +421,9 @@ impl Tracker {
             (OpDesc::Write { .. }, Some(_)) => OpKind::WriteImm,
             _ => desc.kind(),
         };
-        let send_tag = if desc == OpDesc::Send { tag } else { 0 };
+        let send_tag = if matches!(desc, OpDesc::Send) { tag } else { 0 };
         let token = self.insert(desc, kind, buf, wr_id, send_tag, imm)?;
-        if desc == OpDesc::Recv {
+        if matches!(desc, OpDesc::Recv) {
             self.enqueue_recv(RecvRef { token, part: 0 }, tag, mask);
         } else {
             // Capacity equals the slot count, so this never reallocates.
@@ -512,6 +512,11 @@ impl Tracker {
     /// The oldest posted receive (part) that a message tagged `tag` matches, taken off
     /// the receive queue; `None` when none matches (the message is unexpected).
     pub fn match_message(&mut self, tag: u64) -> Option<RecvRef> {
+        // The common case (in-order traffic, plain receives): the oldest receive takes it.
+        let front = self.recv.front()?;
+        if tag_matches(tag, front.tag, front.mask) {
+            return self.recv.pop_front().map(|p| p.at);
+        }
         let i = self
             .recv
             .iter()
@@ -844,7 +849,16 @@ impl Tracker {
     }
 
     /// Moves finished operations into `out` (in completion order); returns how many.
+    #[inline]
     pub fn take(&mut self, out: &mut [Completion]) -> usize {
+        if self.ready.is_empty() {
+            return 0;
+        }
+        self.take_ready(out)
+    }
+
+    #[inline(never)]
+    fn take_ready(&mut self, out: &mut [Completion]) -> usize {
         let mut n = 0;
         while n < out.len() {
             let Some(t) = self.ready.pop_front() else {

@@ -293,6 +293,15 @@ pub(crate) trait Hal: Send + fmt::Debug {
     }
     /// Moves queued operations and incoming data; reports completions to `t`.
     fn progress(&mut self, t: &mut Tracker) -> Result<()>;
+    /// What a post does right after the tracker queued it (`recv`: the post was a
+    /// receive). The default is a full [`progress`](Self::progress) pass; a backend whose
+    /// posts can start with less (only the new sends, or nothing for a receive) overrides
+    /// it, and then its [`arm`](Self::arm) must say "not now" whenever work it skipped
+    /// here is waiting, so that no caller sleeps on it.
+    fn post_kick(&mut self, t: &mut Tracker, recv: bool) -> Result<()> {
+        let _ = recv;
+        self.progress(t)
+    }
     fn wait_fd(&self) -> BorrowedFd<'_>;
     fn arm(&mut self, t: &Tracker) -> Result<bool>;
 }
@@ -329,15 +338,16 @@ impl<H: Hal> Endpoint<H> {
     }
 
     fn post(&mut self, desc: OpDesc, buf: Buf, wr_id: u64) -> PostResult {
+        let recv = matches!(desc, OpDesc::Recv);
         self.t.post(desc, buf, wr_id)?;
-        self.kick();
+        self.kick(recv);
         Ok(())
     }
 
-    /// Starts what was just posted (latency); errors of the machinery become error
-    /// completions.
-    fn kick(&mut self) {
-        if let Err(e) = self.h.progress(&mut self.t) {
+    /// Starts what was just posted (latency; `recv`: a receive was posted); errors of
+    /// the machinery become error completions.
+    fn kick(&mut self, recv: bool) {
+        if let Err(e) = self.h.post_kick(&mut self.t, recv) {
             self.t.fail_all(crate::Status::ProtocolError, e.to_string());
         }
     }
@@ -391,12 +401,12 @@ impl<H: Hal> Transport for Endpoint<H> {
     fn post_send_tagged(&mut self, buf: Buf, tag: u64, wr_id: u64) -> PostResult {
         let buf = self.check_send(buf)?;
         self.t.post_send_tagged(buf, tag, wr_id)?;
-        self.kick();
+        self.kick(false);
         Ok(())
     }
     fn post_recv_tagged(&mut self, buf: Buf, tag: u64, mask: u64, wr_id: u64) -> PostResult {
         self.t.post_recv_tagged(buf, tag, mask, wr_id)?;
-        self.kick();
+        self.kick(true);
         Ok(())
     }
     fn post_recv_group(
@@ -405,7 +415,7 @@ impl<H: Hal> Transport for Endpoint<H> {
         wr_id: u64,
     ) -> std::result::Result<(), GroupPostError> {
         self.t.post_recv_group(parts, wr_id)?;
-        self.kick();
+        self.kick(true);
         Ok(())
     }
     fn post_write_imm(
@@ -417,7 +427,7 @@ impl<H: Hal> Transport for Endpoint<H> {
         wr_id: u64,
     ) -> PostResult {
         self.t.post_write_imm(buf, *key, off, imm, wr_id)?;
-        self.kick();
+        self.kick(false);
         Ok(())
     }
     fn post_flush(&mut self, buf: Buf, wr_id: u64) -> PostResult {
