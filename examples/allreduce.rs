@@ -309,6 +309,9 @@ struct Comm {
     done: Vec<Done>,
     /// The write ring's slots, keys and counts (when the ring reduce-scatters by writes).
     wring: Option<WriteRing>,
+    /// The write ring's credit writes posted and not completed (they may complete during
+    /// any later poll; `poll` counts them and hides them from the algorithms).
+    credits_out: usize,
 }
 
 /// Outcome of a post: done, or refused for backpressure (the buffer is handed back).
@@ -344,6 +347,7 @@ impl Comm {
             blk: vec![0u8; BLK],
             done: Vec::with_capacity(2 * WINDOW),
             wring: None,
+            credits_out: 0,
         })
     }
 
@@ -395,6 +399,10 @@ impl Comm {
                     peer.map_or_else(|| "?".into(), |p| p.to_string()),
                     c.status
                 ));
+            }
+            if c.wr_id == CREDIT {
+                self.credits_out = self.credits_out.saturating_sub(1);
+                continue;
             }
             out.push(Done {
                 wr_id: c.wr_id,
@@ -560,10 +568,26 @@ fn exchange(
     tmp: &fabric_core::Region,
     bytes: usize,
 ) -> Res<()> {
+    // The completion list is the Comm's (no allocation per step).
+    let mut done = std::mem::take(&mut comm.done);
+    let r = exchange_with(comm, &mut done, to, from, src, tmp, bytes);
+    done.clear();
+    comm.done = done;
+    r
+}
+
+fn exchange_with(
+    comm: &mut Comm,
+    done: &mut Vec<Done>,
+    to: usize,
+    from: usize,
+    src: &fabric_core::Region,
+    tmp: &fabric_core::Region,
+    bytes: usize,
+) -> Res<()> {
     let mut pending_recv = Some(tmp.slice(0, bytes)?);
     let mut pending_send = Some(src.slice(0, bytes)?);
     let (mut sent, mut got) = (false, false);
-    let mut done = Vec::with_capacity(4);
     let mut idle = Idle::new();
     while !(sent && got) {
         if let Some(b) = pending_recv.take() {
@@ -577,12 +601,12 @@ fn exchange(
             }
         }
         done.clear();
-        if comm.poll(&mut done)? == 0 {
+        if comm.poll(done)? == 0 {
             idle.wait(comm, from)?;
             continue;
         }
         idle.progress();
-        for d in &done {
+        for d in done.iter() {
             if d.wr_id & RECV != 0 {
                 if d.len != bytes {
                     return Err(
@@ -606,8 +630,22 @@ fn one_way(
     bytes: usize,
     send: bool,
 ) -> Res<()> {
+    let mut done = std::mem::take(&mut comm.done);
+    let res = one_way_with(comm, &mut done, peer, r, bytes, send);
+    done.clear();
+    comm.done = done;
+    res
+}
+
+fn one_way_with(
+    comm: &mut Comm,
+    done: &mut Vec<Done>,
+    peer: usize,
+    r: &fabric_core::Region,
+    bytes: usize,
+    send: bool,
+) -> Res<()> {
     let mut pending = Some(r.slice(0, bytes)?);
-    let mut done = Vec::with_capacity(2);
     let mut idle = Idle::new();
     loop {
         if let Some(b) = pending.take() {
@@ -621,7 +659,7 @@ fn one_way(
             }
         }
         done.clear();
-        if comm.poll(&mut done)? == 0 {
+        if comm.poll(done)? == 0 {
             idle.wait(comm, peer)?;
             continue;
         }
@@ -974,8 +1012,8 @@ struct WriteRing {
     /// Of those, how many (from the first) we finished with; `credited` of them were told.
     freed: u64,
     credited: u64,
-    /// Credit writes posted and not completed.
-    credits_out: usize,
+    /// Credit writes posted so far (picks the source word of the next).
+    credit_posts: u64,
     /// Reduce blocks (cache-sized).
     blk_a: Vec<u8>,
     blk_b: Vec<u8>,
@@ -1010,7 +1048,7 @@ impl WriteRing {
             received: 0,
             freed: 0,
             credited: 0,
-            credits_out: 0,
+            credit_posts: 0,
             blk_a: vec![0u8; BLK],
             blk_b: vec![0u8; BLK],
         })
@@ -1149,19 +1187,23 @@ fn ring_w(comm: &mut Comm, w: &mut WriteRing, b: &Bufs<'_>) -> Res<()> {
                 f += 1;
             }
             w.freed = recv0 + f;
-            if w.freed > w.credited && w.credits_out < CREDIT_WINDOW {
-                let k = (w.credited % CREDIT_WINDOW as u64) as usize;
+            // At most CREDIT_WINDOW writes in flight, each from a word of its own; a credit
+            // not posted now goes with a later one (the count only grows). The operation
+            // does not wait for credit writes to complete: on tcp their acknowledgements
+            // can queue behind the neighbour's next message, for which no receive is posted
+            // until the next operation (poll() counts them down whenever they come).
+            if w.freed > w.credited && comm.credits_out < CREDIT_WINDOW {
+                let k = (w.credit_posts % CREDIT_WINDOW as u64) as usize;
                 w.credit_src.store_u64(8 * k, w.freed)?;
                 let src = w.credit_src.slice(8 * k, 8)?;
                 if let Posted::Yes = comm.write(left, src, &w.left_credit, 0, CREDIT)? {
                     w.credited = w.freed;
-                    w.credits_out += 1;
+                    w.credit_posts += 1;
+                    comm.credits_out += 1;
                 }
             }
             if sends_done == sends_total && recvs_done == recv_list.len() {
-                if w.credited == w.freed && w.credits_out == 0 {
-                    break;
-                }
+                break;
             }
             let mut moved = false;
             // Receives (notices during the reduce-scatter, data after), in order.
@@ -1206,14 +1248,18 @@ fn ring_w(comm: &mut Comm, w: &mut WriteRing, b: &Bufs<'_>) -> Res<()> {
                         w.rx.slice(s * w.chunk, len)?
                     };
                     let off = (g % slots) * w.chunk as u64;
-                    if let Posted::Full(_) = comm.write(right, src, &w.right_rx, off, wr(WRITE, st, c))? {
+                    if let Posted::Full(_) =
+                        comm.write(right, src, &w.right_rx, off, wr(WRITE, st, c))?
+                    {
                         break;
                     }
                     w.sent += 1;
                 } else if one_sided {
                     let src = b.out.slice(a * 4, len)?;
                     let key = b.right_out.as_ref().ok_or("no key")?;
-                    if let Posted::Full(_) = comm.write(right, src, key, (a * 4) as u64, wr(WRITE, st, c))? {
+                    if let Posted::Full(_) =
+                        comm.write(right, src, key, (a * 4) as u64, wr(WRITE, st, c))?
+                    {
                         break;
                     }
                 } else {
@@ -1249,10 +1295,6 @@ fn ring_w(comm: &mut Comm, w: &mut WriteRing, b: &Bufs<'_>) -> Res<()> {
                 moved = true;
             }
             for d in done.drain(..) {
-                if d.wr_id == CREDIT {
-                    w.credits_out -= 1;
-                    continue;
-                }
                 let (kind, st, c) = unwr(d.wr_id);
                 if kind & RECV == 0 {
                     sends_out -= 1;
@@ -1380,7 +1422,9 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, all_local: bool) -> Re
             .allocated_remote
             .contains(fabric_core::MemoryKinds::HOST);
     if args.rs == Some(RsMode::Write) && !rs_write && n > 1 && rank == 0 {
-        eprintln!("allreduce: {kind} cannot write into peers' memory; two-sided reduce-scatter instead");
+        eprintln!(
+            "allreduce: {kind} cannot write into peers' memory; two-sided reduce-scatter instead"
+        );
     }
     let default_chunk = if rs_write { 128 << 10 } else { 256 << 10 };
     let chunk = (args.chunk_bytes.unwrap_or(default_chunk) / 4).max(1) * 4;
