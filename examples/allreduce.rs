@@ -441,15 +441,8 @@ impl Idle {
 
     fn wait(&mut self, comm: &mut Comm, p: usize) -> Res<()> {
         self.spins += 1;
-        if comm.oversubscribed {
-            std::thread::yield_now();
-        } else if self.spins < 256 {
-            // While spinning, keep the peer's endpoint active: the worker would park it
-            // after 64 empty polls, and a parked shm endpoint costs an epoll_wait per poll
-            // here and an eventfd signal per message at the peer. Only a longer wait parks.
-            if let Ok(ep) = comm.ep(p) {
-                comm.worker.endpoint(ep)?;
-            }
+        if !comm.oversubscribed && self.spins < 256 {
+            Self::keep_active(comm, p)?;
             std::hint::spin_loop();
             return Ok(());
         }
@@ -459,9 +452,24 @@ impl Idle {
             return Err(format!("no progress with rank {p} for {} s", STALL.as_secs()).into());
         }
         if waited > Duration::from_millis(5) {
+            // Only a long wait sleeps: the worker parks every endpoint on its fd.
             comm.worker.wait(Some(Duration::from_millis(1)))?;
-        } else if !comm.oversubscribed && waited > Duration::from_micros(100) {
+            return Ok(());
+        }
+        Self::keep_active(comm, p)?;
+        if comm.oversubscribed || waited > Duration::from_micros(100) {
             std::thread::yield_now();
+        }
+        Ok(())
+    }
+
+    /// Keeps the peer's endpoint active while we spin or yield. The worker parks an
+    /// endpoint after `PARK_AFTER` (64) empty polls; a parked shm endpoint then costs this
+    /// rank an `epoll_wait(0)` on every poll (none is active) and the peer an `eventfd`
+    /// write per message (our "sleeping" flag is set), plus the arm's system calls.
+    fn keep_active(comm: &mut Comm, p: usize) -> Res<()> {
+        if let Ok(ep) = comm.ep(p) {
+            comm.worker.endpoint(ep)?;
         }
         Ok(())
     }
@@ -472,26 +480,10 @@ impl Idle {
 
 /// `acc[i] += x[i]` over f32 elements.
 ///
-/// Eight lanes (32 bytes) per iteration of the outer loop, whose fixed-length inner loop
-/// LLVM turns into one packed add; the tail goes element by element.
+/// LLVM turns this loop into packed adds already (callgrind: 4,867 instructions per 16 KiB
+/// block, 1.19 per element, the same as an explicitly 8-lane version).
 fn add_f32(acc: &mut [u8], x: &[u8]) {
-    const L: usize = 32;
-    let n = acc.len().min(x.len()) / 4 * 4;
-    let split = n / L * L;
-    let (acc_v, acc_t) = acc[..n].split_at_mut(split);
-    let (x_v, x_t) = x[..n].split_at(split);
-    for (a, b) in acc_v.chunks_exact_mut(L).zip(x_v.chunks_exact(L)) {
-        let mut va = [0f32; L / 4];
-        let mut vb = [0f32; L / 4];
-        for i in 0..L / 4 {
-            va[i] = f32::from_ne_bytes([a[4 * i], a[4 * i + 1], a[4 * i + 2], a[4 * i + 3]]);
-            vb[i] = f32::from_ne_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]]);
-        }
-        for i in 0..L / 4 {
-            a[4 * i..4 * i + 4].copy_from_slice(&(va[i] + vb[i]).to_ne_bytes());
-        }
-    }
-    for (a, b) in acc_t.chunks_exact_mut(4).zip(x_t.chunks_exact(4)) {
+    for (a, b) in acc.chunks_exact_mut(4).zip(x.chunks_exact(4)) {
         let v = f32::from_ne_bytes([a[0], a[1], a[2], a[3]])
             + f32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
         a.copy_from_slice(&v.to_ne_bytes());
@@ -1177,8 +1169,6 @@ fn ring_w(comm: &mut Comm, w: &mut WriteRing, b: &Bufs<'_>) -> Res<()> {
     let (mut sends_out, mut recvs_out) = (0usize, 0usize);
     let mut done = std::mem::take(&mut comm.done);
     let mut idle = Idle::new();
-    let lep = comm.ep(left)?;
-    let rep = comm.ep(right)?;
     let res = (|| -> Res<()> {
         loop {
             // Tell the left neighbour how far we got (the newest count only).
@@ -1223,12 +1213,6 @@ fn ring_w(comm: &mut Comm, w: &mut WriteRing, b: &Bufs<'_>) -> Res<()> {
                 moved = true;
             }
             // Sends, in order, once ready and (reduce-scatter) credited.
-            if si < send_list.len() {
-                // Keep both neighbours' endpoints out of the worker's parking while we
-                // expect their traffic.
-                comm.worker.endpoint(rep)?;
-                comm.worker.endpoint(lep)?;
-            }
             while si < send_list.len() && sends_out + 2 <= WINDOW {
                 let (st, c, k) = send_list[si];
                 if !ready[st][c] {
@@ -1325,12 +1309,21 @@ fn ring_w(comm: &mut Comm, w: &mut WriteRing, b: &Bufs<'_>) -> Res<()> {
                     w.received += 1;
                     let s = at_slot(st, c);
                     let last = st + 1 == rs_steps;
+                    // The input is borrowed in place when no write from it is in flight
+                    // (then a slice of it would make the borrow Busy); else copied.
+                    let input = b.send.bytes().ok();
                     let mut o = 0;
                     while o < len {
                         let kk = (len - o).min(BLK);
                         w.rx.read_at(s * w.chunk + o, &mut w.blk_a[..kk])?;
-                        b.send.read_at(a * 4 + o, &mut w.blk_b[..kk])?;
-                        add_f32(&mut w.blk_a[..kk], &w.blk_b[..kk]);
+                        let at = a * 4 + o;
+                        match &input {
+                            Some(g) => add_f32(&mut w.blk_a[..kk], &g[at..at + kk]),
+                            None => {
+                                b.send.read_at(at, &mut w.blk_b[..kk])?;
+                                add_f32(&mut w.blk_a[..kk], &w.blk_b[..kk]);
+                            }
+                        }
                         if last {
                             b.out.write_at(a * 4 + o, &w.blk_a[..kk])?;
                         }
@@ -1352,6 +1345,11 @@ fn ring_w(comm: &mut Comm, w: &mut WriteRing, b: &Bufs<'_>) -> Res<()> {
             if moved {
                 idle.progress();
             } else {
+                // Both neighbours have work in flight with us (the right one: our sends'
+                // completions); the wait keeps the left one active.
+                if right != left {
+                    Idle::keep_active(comm, right)?;
+                }
                 idle.wait(comm, left)?;
             }
         }
