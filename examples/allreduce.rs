@@ -1126,8 +1126,11 @@ fn ring_w(comm: &mut Comm, w: &mut WriteRing, b: &Bufs<'_>) -> Res<()> {
         .map(|q| (seg(q).1 - seg(q).0).div_ceil(ce))
         .max()
         .unwrap_or(0);
-    // (step, chunk, reduce-scatter chunk number within this operation or usize::MAX).
-    let mut rs_item: Vec<Vec<usize>> = vec![vec![usize::MAX; cmax]; rs_steps];
+    // The one order every rank follows (as in `allreduce_ring`). Sends: (step, chunk,
+    // reduce-scatter chunk number within this operation, or usize::MAX in the
+    // all-gather); receives: (step, chunk). `rs_item[st * cmax + c]`: the number of the
+    // reduce-scatter chunk (st, c) this rank receives.
+    let mut rs_item = vec![usize::MAX; rs_steps * cmax];
     let mut send_list = Vec::with_capacity(steps * cmax);
     let mut recv_list = Vec::with_capacity(steps * cmax);
     let (mut ns, mut nr) = (0usize, 0usize);
@@ -1142,12 +1145,11 @@ fn ring_w(comm: &mut Comm, w: &mut WriteRing, b: &Bufs<'_>) -> Res<()> {
                 }
                 let (a, e) = chunk(recv_seg(st), c);
                 if e > a {
-                    let k = if st < rs_steps { nr } else { usize::MAX };
                     if st < rs_steps {
-                        rs_item[st][c] = nr;
+                        rs_item[st * cmax + c] = nr;
                         nr += 1;
                     }
-                    recv_list.push((st, c, k));
+                    recv_list.push((st, c));
                 }
             }
         }
@@ -1155,7 +1157,7 @@ fn ring_w(comm: &mut Comm, w: &mut WriteRing, b: &Bufs<'_>) -> Res<()> {
     let one_sided = b.right_out.is_some();
     let (sent0, recv0) = (w.sent, w.received);
     // Where the chunk (st, c) received during the reduce-scatter sits: its slot.
-    let at_slot = |st: usize, c: usize| ((recv0 + rs_item[st][c] as u64) % slots) as usize;
+    let at_slot = |st: usize, c: usize| ((recv0 + rs_item[st * cmax + c] as u64) % slots) as usize;
     let mut ready: Vec<Vec<bool>> = (0..steps).map(|st| vec![st == 0; cmax]).collect();
     // Chunks received this operation that we finished with (by number within it).
     let mut finished = vec![false; nr];
@@ -1198,7 +1200,7 @@ fn ring_w(comm: &mut Comm, w: &mut WriteRing, b: &Bufs<'_>) -> Res<()> {
             let mut moved = false;
             // Receives (notices during the reduce-scatter, data after), in order.
             while ri < recv_list.len() && recvs_out < WINDOW {
-                let (st, c, _) = recv_list[ri];
+                let (st, c) = recv_list[ri];
                 let buf = if st < rs_steps || one_sided {
                     w.notice_rx.slice(8 * (ri % WINDOW), 8)?
                 } else {
@@ -1288,7 +1290,7 @@ fn ring_w(comm: &mut Comm, w: &mut WriteRing, b: &Bufs<'_>) -> Res<()> {
                     let fwd = kind & WRITE != 0 && st >= 1 && st < rs_steps;
                     let ag = kind & (WRITE | NOTICE) == 0 && st == rs_steps;
                     if fwd || ag {
-                        finished[rs_item[st - 1][c]] = true;
+                        finished[rs_item[(st - 1) * cmax + c]] = true;
                     }
                     continue;
                 }
@@ -1305,7 +1307,7 @@ fn ring_w(comm: &mut Comm, w: &mut WriteRing, b: &Bufs<'_>) -> Res<()> {
                     .into());
                 }
                 if st < rs_steps {
-                    let k = rs_item[st][c];
+                    let k = rs_item[st * cmax + c];
                     w.received += 1;
                     let s = at_slot(st, c);
                     let last = st + 1 == rs_steps;
