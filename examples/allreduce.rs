@@ -28,6 +28,18 @@
 //! all-gather writes straight into the right neighbour's output with `post_write`, each
 //! chunk followed by an 8-byte notice (connections deliver in post order).
 //!
+//! The ring's reduce-scatter moves its chunks in one of two ways (`--rs`):
+//! * `write` (the default on shm): each rank writes a chunk straight into one of the right
+//!   neighbour's remotely writable slots (`post_write` + an 8-byte notice): one copy,
+//!   whatever memory the chunk comes from — on shm the caller's input cannot be shared, so
+//!   a two-sided send of it goes eagerly through the channel ring (two copies). The
+//!   receiver adds its input block by block into the chunk as it reads it out of the slot
+//!   (fused, no separate copy pass), and the finished segment stays in the slot, from where
+//!   the all-gather's first send goes by rendezvous (one copy into the neighbour's output).
+//!   Slots are reused under credits: the receiver writes into the sender's 8-byte credit
+//!   word how many chunks it finished with.
+//! * `send` (the default elsewhere): two-sided sends into posted receives.
+//!
 //! Columns (nccl-tests): `time` is the mean over `--iters` operations on rank 0, `algbw`
 //! = bytes / time, `busbw` = algbw × 2(N-1)/N, in GB/s (10^9 B/s). The result is checked
 //! against exact values (small integers in `f32`) after each size; a wrong element makes
