@@ -7,7 +7,9 @@
 #
 # Environment: RANKS (2), MIN_BYTES (4), MAX_BYTES (268435456), ITERS / WARMUP (default:
 # scaled with the size, the same formula in both programs), TRANSPORTS ("shm tcp"),
-# OUT (a directory for the raw tables; default a temporary one).
+# OUT (a directory for the raw tables; default a temporary one), OURS_ARGS (extra arguments
+# for examples/allreduce only, e.g. "--rs send" for the two-sided reduce-scatter on shm, or
+# "--chunk-bytes 65536 --slots 8").
 #
 # Installs Debian's openmpi-bin and libopenmpi-dev when mpicc/mpirun are missing (apt-get),
 # builds bench/mpi_allreduce.c with mpicc and the example with cargo (release).
@@ -63,8 +65,9 @@ for t in $TRANSPORTS; do
   esac
   log "$t: Open MPI, $RANKS ranks"
   "${MPIRUN[@]}" "${btl[@]}" "$OUT/mpi_allreduce" "${common[@]}" >"$OUT/mpi-$t.txt"
-  log "$t: fabric allreduce, $RANKS ranks"
-  "$OURS" --ranks "$RANKS" --transport "$t" "${common[@]}" >"$OUT/ours-$t.txt"
+  log "$t: fabric allreduce, $RANKS ranks${OURS_ARGS:+ ($OURS_ARGS)}"
+  # shellcheck disable=SC2086 # OURS_ARGS is a list of arguments
+  "$OURS" --ranks "$RANKS" --transport "$t" "${common[@]}" ${OURS_ARGS:-} >"$OUT/ours-$t.txt"
 done
 
 # Side by side: rows are "size count iters algo time algbw busbw check".

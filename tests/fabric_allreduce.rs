@@ -1,6 +1,7 @@
 //! `examples/allreduce` end to end: 2, 3 and 4 processes over shm and tcp (and verbs
 //! where an RDMA port is active), both algorithms forced over small sizes with tiny chunks
-//! (uneven segments, more chunks than slots), the one-sided all-gather, and a deliberately
+//! (uneven segments, more chunks than slots), the ring's reduce-scatter by sends and by
+//! one-sided writes with credits, the one-sided all-gather, and a deliberately
 //! wrong input that the example's check must catch (non-zero exit).
 
 mod support;
@@ -94,22 +95,35 @@ fn correctness(transport: &str) {
         let Some(rows) = rows_of(&a) else { return };
         assert_table(&rows, 4, 256, "rd", &ctx);
         // The ring with 64-byte chunks and 2 slots: many chunks per segment, uneven
-        // segments (counts not divisible by 3), segments shorter than a chunk.
-        let mut a = common.to_vec();
-        a.extend([
-            "--algo",
-            "ring",
-            "--min-bytes",
-            "4",
-            "--max-bytes",
-            "4096",
-            "--chunk-bytes",
-            "64",
-            "--slots",
-            "2",
-        ]);
-        let rows = rows_of(&a).expect("built");
-        assert_table(&rows, 4, 4096, "ring", &ctx);
+        // segments (counts not divisible by 3), segments shorter than a chunk; with the
+        // reduce-scatter by two-sided sends and by one-sided writes with credits (2 slots:
+        // every slot is reused many times per operation, so a credit that came too early
+        // would corrupt a sum and fail the check).
+        for rs in ["send", "write"] {
+            let mut a = common.to_vec();
+            a.extend([
+                "--algo",
+                "ring",
+                "--rs",
+                rs,
+                "--min-bytes",
+                "4",
+                "--max-bytes",
+                "4096",
+                "--chunk-bytes",
+                "64",
+                "--slots",
+                "2",
+            ]);
+            let rows = rows_of(&a).expect("built");
+            assert_table(
+                &rows,
+                4,
+                4096,
+                "ring",
+                &format!("{ctx}, reduce-scatter by {rs}"),
+            );
+        }
         // The default choice across the threshold.
         let mut a = common.to_vec();
         a.extend([
@@ -141,32 +155,38 @@ fn correct_for_2_3_4_ranks_over_tcp() {
 #[test]
 fn one_sided_all_gather_over_tcp() {
     for ranks in ["2", "3"] {
-        let Some(rows) = rows_of(&[
-            "--ranks",
-            ranks,
-            "--transport",
-            "tcp",
-            "--one-sided",
-            "--algo",
-            "ring",
-            "--min-bytes",
-            "4",
-            "--max-bytes",
-            "8192",
-            "--chunk-bytes",
-            "256",
-            "--iters",
-            "2",
-        ]) else {
-            return;
-        };
-        assert_table(
-            &rows,
-            4,
-            8192,
-            "ring-1s",
-            &format!("tcp one-sided, {ranks} ranks"),
-        );
+        for rs in ["send", "write"] {
+            let Some(rows) = rows_of(&[
+                "--ranks",
+                ranks,
+                "--transport",
+                "tcp",
+                "--one-sided",
+                "--rs",
+                rs,
+                "--algo",
+                "ring",
+                "--min-bytes",
+                "4",
+                "--max-bytes",
+                "8192",
+                "--chunk-bytes",
+                "256",
+                "--slots",
+                "4",
+                "--iters",
+                "2",
+            ]) else {
+                return;
+            };
+            assert_table(
+                &rows,
+                4,
+                8192,
+                "ring-1s",
+                &format!("tcp one-sided, {ranks} ranks, reduce-scatter by {rs}"),
+            );
+        }
     }
 }
 
@@ -276,7 +296,7 @@ fn correct_over_verbs_when_available() {
         return;
     }
     for ranks in ["2", "3"] {
-        for algo in ["rd", "ring"] {
+        for (algo, rs) in [("rd", "send"), ("ring", "send"), ("ring", "write")] {
             let Some(rows) = rows_of(&[
                 "--ranks",
                 ranks,
@@ -284,6 +304,8 @@ fn correct_over_verbs_when_available() {
                 "verbs",
                 "--algo",
                 algo,
+                "--rs",
+                rs,
                 "--min-bytes",
                 "4",
                 "--max-bytes",
@@ -295,7 +317,13 @@ fn correct_over_verbs_when_available() {
             ]) else {
                 return;
             };
-            assert_table(&rows, 4, 16384, algo, &format!("verbs, {ranks} ranks"));
+            assert_table(
+                &rows,
+                4,
+                16384,
+                algo,
+                &format!("verbs, {ranks} ranks, reduce-scatter by {rs}"),
+            );
         }
     }
     // Figures for the record (the guest emulates its CPUs: not a speed result).
