@@ -988,7 +988,9 @@ mod tests {
         let e = AsyncWorker::new(&d).unwrap_err();
         assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
         // a runtime without IO: tokio would panic; a typed error instead
-        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
         let _enter = rt.enter();
         let e = AsyncWorker::new(&d).unwrap_err();
         assert!(matches!(e, Error::InvalidArgument(_)), "{e}");
