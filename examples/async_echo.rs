@@ -176,7 +176,7 @@ fn serve(args: &Args, expect: Option<usize>) -> Res<()> {
         let rx = domain.register(256 * SLOT, Access::empty())?;
         let mut tasks = Vec::new();
         let mut accepted = 0usize;
-        while expect.map_or(true, |n| accepted < n) {
+        while expect.is_none_or(|n| accepted < n) {
             let ep = w.accept(listener.as_mut()).await?;
             accepted += 1;
             let slot = ep.index();

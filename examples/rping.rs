@@ -160,7 +160,7 @@ impl Peer {
                 return Ok(Got::Done(c));
             }
             spins += 1;
-            if spins % 256 == 0 {
+            if spins.is_multiple_of(256) {
                 match self.conn.check() {
                     Ok(()) => {}
                     Err(ibverbs_safe::Error::Cm(CmError::Disconnected)) => {

@@ -191,7 +191,7 @@ impl Peer {
             // Busy-poll for ~20 us, then poll-and-yield (an oversubscribed host may run
             // the peer on our core) until ~2 ms, then sleep on the wait fd.
             spins += 1;
-            if spins % 16 != 0 {
+            if !spins.is_multiple_of(16) {
                 std::hint::spin_loop();
                 continue;
             }

@@ -582,7 +582,7 @@ fn fairness(kind: TransportKind, test: &str) {
     let rx = a.register((FLOOD + 2) * 64, Access::empty()).unwrap();
     let tx = b.register((FLOOD + 2) * 64, Access::empty()).unwrap();
     // Endpoint 0 gets a flood, 1 and 2 one message each.
-    let plan: Vec<usize> = std::iter::repeat(0).take(FLOOD).chain([1, 2]).collect();
+    let plan: Vec<usize> = std::iter::repeat_n(0, FLOOD).chain([1, 2]).collect();
     for (k, &e) in plan.iter().enumerate() {
         wa.post_recv(ea[e], rx.slice(k * 64, 64).unwrap(), k as u64)
             .unwrap();

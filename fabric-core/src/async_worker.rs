@@ -431,7 +431,7 @@ async fn drive(shared: Arc<Shared>) {
             Ok(_) => {
                 last_work = Instant::now();
                 busy_rounds += 1;
-                if busy_rounds % 16 == 0 {
+                if busy_rounds.is_multiple_of(16) {
                     tokio::task::yield_now().await;
                 }
                 continue;

@@ -443,7 +443,7 @@ impl Region {
 
     pub(crate) fn atomic_at(&self, offset: usize) -> Result<&AtomicU64> {
         self.check(offset, 8)?;
-        if offset % 8 != 0 || (self.base() as usize + offset) % 8 != 0 {
+        if !offset.is_multiple_of(8) || !(self.base() as usize + offset).is_multiple_of(8) {
             return Err(Error::Unaligned);
         }
         if self.inner.device.is_some() {

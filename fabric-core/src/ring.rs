@@ -153,7 +153,10 @@ pub unsafe fn from_raw(
     keep: Arc<dyn Send + Sync>,
 ) -> (Producer, Consumer) {
     debug_assert!(cap.is_power_of_two() && cap >= 4 * GRANULE);
-    debug_assert!(data as usize % 8 == 0, "ring data must be 8-byte aligned");
+    debug_assert!(
+        (data as usize).is_multiple_of(8),
+        "ring data must be 8-byte aligned"
+    );
     let s = Arc::new(Shared {
         hdr,
         data,
@@ -310,7 +313,7 @@ impl Consumer {
                 }
                 if t < self.head
                     || t - self.head > cap as u64
-                    || (t - self.head) % GRANULE as u64 != 0
+                    || !(t - self.head).is_multiple_of(GRANULE as u64)
                 {
                     return Err(RingError::Corrupt("tail position"));
                 }
@@ -397,7 +400,7 @@ mod tests {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            if x % 3 != 0 {
+            if !x.is_multiple_of(3) {
                 let len = (x >> 8) as usize % (p.max_payload() + 1);
                 let payload: Vec<u8> = (0..len).map(|i| (next_send as u8) ^ (i as u8)).collect();
                 if p.push(1 + (next_send % 200) as u8, next_send, &payload) {

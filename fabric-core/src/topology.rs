@@ -550,7 +550,7 @@ pub fn nearest_nic<'a>(gpu: &Path, nics: &'a [NicInfo]) -> Option<&'a NicInfo> {
     for n in nics.iter().filter(|n| n.is_active()) {
         let Some(p) = &n.pci_path else { continue };
         let score = pci_affinity(gpu, p);
-        if best.map_or(true, |(s, _)| score > s) {
+        if best.is_none_or(|(s, _)| score > s) {
             best = Some((score, n));
         }
     }

@@ -682,7 +682,7 @@ impl Worker {
             return Ok(0);
         }
         self.polls = self.polls.wrapping_add(1);
-        if self.parked > 0 && (self.active.is_empty() || self.polls % EPOLL_EVERY == 0) {
+        if self.parked > 0 && (self.active.is_empty() || self.polls.is_multiple_of(EPOLL_EVERY)) {
             self.reap_epoll()?;
         }
         if self.scratch.len() < out.len() {

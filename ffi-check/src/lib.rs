@@ -270,7 +270,7 @@ fn shape(
             c_abi: f
                 .abi
                 .as_ref()
-                .is_some_and(|a| a.name.as_ref().map_or(true, |n| n.value() == "C")),
+                .is_some_and(|a| a.name.as_ref().is_none_or(|n| n.value() == "C")),
             args: f.inputs.iter().map(|a| rec(&a.ty)).collect(),
             ret: Box::new(match &f.output {
                 syn::ReturnType::Default => Shape::Void,

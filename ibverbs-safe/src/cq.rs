@@ -688,7 +688,7 @@ impl CompletionQueue {
                 return Ok(n);
             }
             spins += 1;
-            if spins % 1024 == 0 {
+            if spins.is_multiple_of(1024) {
                 if start.elapsed() >= timeout {
                     return Err(Error::Timeout(timeout));
                 }

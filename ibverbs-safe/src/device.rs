@@ -97,7 +97,7 @@ pub fn open(name: Option<&str>) -> Result<Context> {
     let list = DeviceList::get()?;
     let found = list
         .devices()
-        .find(|&d| name.map_or(true, |n| list.info(d).name == n));
+        .find(|&d| name.is_none_or(|n| list.info(d).name == n));
     let Some(dev) = found else {
         return Err(Error::NoDevice {
             name: name.map(str::to_owned),

@@ -372,7 +372,7 @@ impl<B: RegionBuffer, A: AccessMode> MemoryRegion<B, A> {
         range_of(offset..offset.saturating_add(8), self.inner.len)?;
         // SAFETY: in bounds (checked above).
         let p = unsafe { self.inner.addr.add(offset) };
-        if p as usize % 8 != 0 {
+        if !(p as usize).is_multiple_of(8) {
             return Err(Error::InvalidRequest("u64 access must be 8-byte aligned"));
         }
         // SAFETY: aligned, in bounds, and only ever accessed by the CPU through atomics or
@@ -384,7 +384,7 @@ impl<B: RegionBuffer, A: AccessMode> MemoryRegion<B, A> {
         range_of(offset..offset.saturating_add(8), self.inner.len)?;
         // SAFETY: in bounds (checked above).
         let p = unsafe { self.inner.addr.add(offset) };
-        if p as usize % 8 != 0 {
+        if !(p as usize).is_multiple_of(8) {
             return Err(Error::InvalidRequest("u64 access must be 8-byte aligned"));
         }
         // SAFETY: as in read_u64.
@@ -795,7 +795,7 @@ impl MrSlice {
         range_of(offset..offset.saturating_add(8), self.len as usize)?;
         // SAFETY: in bounds of the live registration (checked above).
         let p = unsafe { self.owner.addr.add(self.region_offset() + offset) }.cast::<u64>();
-        if p as usize % 8 != 0 {
+        if !(p as usize).is_multiple_of(8) {
             return Err(Error::InvalidRequest("u64 access must be 8-byte aligned"));
         }
         // SAFETY: aligned and in bounds of a live registration.

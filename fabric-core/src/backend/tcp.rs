@@ -1121,7 +1121,7 @@ impl TcpHal {
             FrameKind::AtomicReq => {
                 let mut resp = FrameHeader::new(FrameKind::AtomicResp);
                 resp.token = h.token;
-                let r = if h.offset % 8 != 0 {
+                let r = if !h.offset.is_multiple_of(8) {
                     Err(Status::RemoteAccess)
                 } else {
                     self.domain.check_target(
