@@ -1044,7 +1044,10 @@ fn churn_between_processes() {
             if stand_in && i % 256 == 0 && stand_in_counter("fake_live_allocs") > 1024 {
                 let end = Instant::now() + Duration::from_secs(60);
                 while stand_in_counter("fake_live_allocs") > 256 {
-                    assert!(Instant::now() < end, "the peer stopped answering revocations");
+                    assert!(
+                        Instant::now() < end,
+                        "the peer stopped answering revocations"
+                    );
                     assert_eq!(t.poll(&mut []).unwrap(), 0);
                     std::thread::yield_now();
                 }
