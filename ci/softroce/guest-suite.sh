@@ -35,7 +35,7 @@ export FABRIC_CUDA_CHURN=${FABRIC_CUDA_CHURN:-20000}
 # here at 7,300 registrations/s on a quiet host (a million: 137 s) down to 2,700/s with another
 # guest running (368 s), and its executable's other tests take ~70 s more: a million would
 # come near the 600 s step limit on a loaded CI host. 200,000 (30-75 s) checks the same
-# bounds (ids reused, pinned memory back, resident memory flat past the first tenth).
+# bounds (ids reused, pinned memory back, data memory flat past the first tenth).
 export FABRIC_VERBS_CHURN=${FABRIC_VERBS_CHURN:-200000}
 read -r -a FLAKY_BEFORE <<< "${SOFTROCE_FLAKY_BEFORE:-}"
 LIST=${1:?usage: guest-suite.sh TESTLIST EXAMPLES_DIR}
