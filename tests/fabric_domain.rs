@@ -599,6 +599,16 @@ fn churn(kind: TransportKind, n: usize, announced: usize) {
         }
     }
     transfer(&mut *a, &mut *b, &src, &dst, 256);
+    // The regions registered with remote access (allocated by the domain) leave nothing
+    // behind either.
+    let after = MEM.map(status_kib);
+    println!("{kind} churn: after {announced} remote-access regions: {after:?} KiB");
+    if let ([_, (_, [_, Some(warm), ..]), ..], [_, Some(end), ..]) = (&marks[..], after) {
+        assert!(
+            end <= warm + 1024,
+            "VmData grew {warm} -> {end} KiB over {announced} remote-access regions"
+        );
+    }
     assert!(da.registry_capacity() <= 4, "{}", da.registry_capacity());
     assert_eq!(da.live_regions(), 1);
     assert!(
