@@ -1585,6 +1585,13 @@ impl Hal for VerbsHal {
         Ok(())
     }
 
+    /// A post only hands what the tracker queued to the queue pair: no CQ poll, no second
+    /// pass. Completions are taken by the next `poll`; `arm` routes what the CQ holds
+    /// before it lets a caller sleep, so none is missed.
+    fn post_kick(&mut self, t: &mut Tracker, _recv: bool) -> Result<()> {
+        self.submit(t).map(|_| ())
+    }
+
     fn wait_fd(&self) -> BorrowedFd<'_> {
         if self.attached.is_some() {
             // The worker watches the shared CQ; this fd only tells of a hang-up.
