@@ -758,6 +758,15 @@ impl Tracker {
     pub fn submit_front(&self) -> Option<Token> {
         self.submit.front().copied()
     }
+    /// The `i`-th queued send / one-sided operation (0: the front), for a backend that
+    /// takes several at once.
+    pub fn submit_get(&self, i: usize) -> Option<Token> {
+        self.submit.get(i).copied()
+    }
+    /// Number of queued sends / one-sided operations.
+    pub fn submit_len(&self) -> usize {
+        self.submit.len()
+    }
     /// Removes the front of the submission queue (the backend has taken it).
     pub fn submit_pop(&mut self) -> Option<Token> {
         self.submit.pop_front()

@@ -692,6 +692,20 @@ pub trait Transport: Send + fmt::Debug {
         })
     }
 
+    /// Holds the posts that follow: each is validated and queued (its errors come back at
+    /// once, as always) but not started until [`flush_posts`](Transport::flush_posts), the
+    /// next [`poll`](Transport::poll) or the next [`arm`](Transport::arm), whichever comes
+    /// first (each of them ends the hold). On verbs the held sends and one-sided
+    /// operations then go to the NIC behind one doorbell (up to 32 work requests per
+    /// `ibv_post_send`), with a completion requested only for every 16th and the last of
+    /// them; every operation still gets its own [`Completion`], in post order. Backends that
+    /// start posts cheaply (shm, tcp) may ignore it (the default does nothing).
+    fn hold_posts(&mut self) {}
+
+    /// Starts what [`hold_posts`](Transport::hold_posts) held and ends the hold (a no-op
+    /// without one). Failures of the machinery become error completions, as a post's do.
+    fn flush_posts(&mut self) {}
+
     /// Makes progress and moves finished operations into `out`; returns how many.
     ///
     /// # Errors

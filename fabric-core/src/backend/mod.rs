@@ -312,6 +312,8 @@ pub(crate) struct Endpoint<H: Hal> {
     t: Tracker,
     h: H,
     domain: Domain,
+    /// [`Transport::hold_posts`]: posts only queue until the hold ends.
+    held: bool,
 }
 
 impl<H: Hal> Endpoint<H> {
@@ -319,7 +321,12 @@ impl<H: Hal> Endpoint<H> {
     #[cfg_attr(fabric_loom, allow(dead_code))]
     pub(crate) fn in_domain(domain: Domain, t: Tracker, h: H) -> Self {
         debug_assert_eq!(t.owner(), domain.id());
-        Endpoint { t, h, domain }
+        Endpoint {
+            t,
+            h,
+            domain,
+            held: false,
+        }
     }
 
     /// Refuses a send longer than the backend carries (typed, with the buffer back).
@@ -347,6 +354,9 @@ impl<H: Hal> Endpoint<H> {
     /// Starts what was just posted (latency; `recv`: a receive was posted); errors of
     /// the machinery become error completions.
     fn kick(&mut self, recv: bool) {
+        if self.held {
+            return;
+        }
         if let Err(e) = self.h.post_kick(&mut self.t, recv) {
             self.t.fail_all(crate::Status::ProtocolError, e.to_string());
         }
@@ -437,7 +447,17 @@ impl<H: Hal> Transport for Endpoint<H> {
         self.t.post_flush_done(buf, wr_id)?;
         Ok(())
     }
+    fn hold_posts(&mut self) {
+        self.held = true;
+    }
+    fn flush_posts(&mut self) {
+        if std::mem::take(&mut self.held) && self.t.failure().is_none() {
+            self.kick(false);
+        }
+    }
     fn poll(&mut self, out: &mut [Completion]) -> Result<usize> {
+        // A full pass starts whatever a hold kept back.
+        self.held = false;
         if self.t.failure().is_none() {
             if let Err(e) = self.h.progress(&mut self.t) {
                 self.t.fail_all(crate::Status::ProtocolError, e.to_string());
@@ -455,6 +475,8 @@ impl<H: Hal> Transport for Endpoint<H> {
         self.h.attach_worker(worker)
     }
     fn arm(&mut self) -> Result<bool> {
+        // Nothing held back may wait behind a sleeper.
+        self.flush_posts();
         if self.t.ready_len() > 0 || self.t.failure().is_some() {
             return Ok(false);
         }

@@ -8,6 +8,20 @@
 //!   target-side checks (rkey, bounds, access).
 //! * Operations map one to one: SEND / RECV, RDMA WRITE / READ, CAS / FAA; the tracker's
 //!   slot token is the `wr_id`.
+//! * Posting only enqueues: a post hands what the tracker queued to the queue pair and
+//!   returns (no CQ poll; completions are taken by `poll`, and `arm` routes what the CQ
+//!   holds before anyone sleeps). Several queued sends / one-sided operations go behind one
+//!   doorbell (`post_batch`, up to 32): what [`Transport::hold_posts`] held until
+//!   [`Transport::flush_posts`], or whatever queued up while the send queue was full. In
+//!   such a batch only every 16th work request and the last are signalled, and only
+//!   SEND and WRITE (with or without immediate) may go unsignalled (READs and atomics
+//!   keep their completions). A signalled completion retires, as successful, the
+//!   unsignalled ones posted before it (the connection keeps the posted tokens in post
+//!   order): RC send queues complete in order, so every operation still gets its own
+//!   completion, in post order. A work request that fails reports itself whether
+//!   signalled or not, so an error completion still names the failing operation (those
+//!   before it succeeded; the queue pair is then in the error state and the rest fail).
+//!   A single post is signalled and rings its own doorbell.
 //! * One CQ for many connections: the queue pairs of a domain share a completion queue and
 //!   its channel (a `Hub`; another one only once a CQ's entries — `max_cqe`, at most
 //!   65,536 — are all reserved, each queue pair reserving its depth). Whoever polls it
@@ -243,6 +257,8 @@ const CQ_DEPTH: u32 = 1024;
 const HUB_CQE: u32 = 1 << 16;
 /// Idle polls between two checks of the side-channel socket.
 const CHECK_EVERY: u32 = 1024;
+/// At most this many work requests in a row go unsignalled in one doorbell.
+const SIGNAL_EVERY: usize = 16;
 
 fn unavailable(reason: impl Into<String>) -> Error {
     Error::Unavailable {
@@ -1141,6 +1157,9 @@ fn finish(
         qp,
         qp_num,
         eager,
+        sq: VecDeque::with_capacity(p.depth as usize),
+        sq_depth: p.depth as usize,
+        batch: ib::SendBatch::new(),
         seat: p.seat,
         sock,
         lone: OnceLock::new(),
@@ -1299,6 +1318,13 @@ struct VerbsHal {
     qp_num: u32,
     /// Eager mode's buffers (after the queue pair: dropped once it is destroyed).
     eager: Option<Eager>,
+    /// Send work requests posted and not yet retired by a completion, in post order
+    /// (room for the whole send queue, so it never grows on the hot path).
+    sq: VecDeque<Token>,
+    /// The send queue's depth.
+    sq_depth: usize,
+    /// Reused for every multi-request doorbell.
+    batch: ib::SendBatch,
     seat: Seat,
     sock: TcpStream,
     lone: OnceLock<Option<Lone>>,
@@ -1339,6 +1365,7 @@ fn map_status(s: ib::WcStatus) -> Status {
 }
 
 impl VerbsHal {
+    #[inline]
     fn local(t: &Tracker, token: Token) -> Result<ib::MrSlice> {
         let p = t.live(token, "verbs submission")?;
         let b = backing_of(p.buf.region())
@@ -1346,6 +1373,49 @@ impl VerbsHal {
         b.full
             .slice(p.buf.offset()..p.buf.offset() + p.buf.len())
             .map_err(|e| Error::Protocol(e.to_string()))
+    }
+
+    /// The work request of the queued operation `token` (its wr_id not set).
+    #[inline(always)]
+    fn request(&self, t: &Tracker, token: Token) -> Result<ib::SendRequest> {
+        let slice = Self::local(t, token)?;
+        let (desc, imm, tag) = {
+            let p = t.live(token, "verbs submission")?;
+            (p.desc, p.imm, p.tag)
+        };
+        let remote = |key: &crate::RemoteKey, off: u64, len: u64| ib::RemoteMemory {
+            addr: key.addr + off,
+            len,
+            rkey: key.rkey,
+        };
+        Ok(match desc {
+            OpDesc::Send => match &self.eager {
+                None => ib::SendRequest::send(slice),
+                Some(e) => ib::SendRequest::send(tagged(e, token, tag, slice)?),
+            },
+            OpDesc::Write { key, off } => {
+                let l = slice.len() as u64;
+                let w = ib::SendRequest::write(slice, remote(&key, off, l));
+                // Write with immediate: consumes a receive at the target.
+                match imm {
+                    Some(imm) => w.imm(imm),
+                    None => w,
+                }
+            }
+            OpDesc::Read { key, off } => {
+                let l = slice.len() as u64;
+                ib::SendRequest::read(slice, remote(&key, off, l))
+            }
+            OpDesc::Atomic { key, off, op } => match op {
+                AtomicOp::CompareSwap { expect, new } => {
+                    ib::SendRequest::compare_swap(slice, remote(&key, off, 8), expect, new)
+                }
+                AtomicOp::FetchAdd { add } => {
+                    ib::SendRequest::fetch_add(slice, remote(&key, off, 8), add)
+                }
+            },
+            OpDesc::Recv => unreachable!("receives are not submissions"),
+        })
     }
 
     fn submit(&mut self, t: &mut Tracker) -> Result<bool> {
@@ -1364,61 +1434,109 @@ impl VerbsHal {
                 Err(e) => return Err(Error::Protocol(format!("post_recv: {}", e.error))),
             }
         }
-        while let Some(token) = t.submit_front() {
-            let slice = Self::local(t, token)?;
-            let (desc, imm, tag) = {
-                let p = t.live(token, "verbs submission")?;
-                (p.desc, p.imm, p.tag)
-            };
-            let remote = |key: &crate::RemoteKey, off: u64, len: u64| ib::RemoteMemory {
-                addr: key.addr + off,
-                len,
-                rkey: key.rkey,
-            };
-            let req = match desc {
-                OpDesc::Send => match &self.eager {
-                    None => ib::SendRequest::send(slice),
-                    Some(e) => ib::SendRequest::send(tagged(e, token, tag, slice)?),
-                },
-                OpDesc::Write { key, off } => {
-                    let l = slice.len() as u64;
-                    let w = ib::SendRequest::write(slice, remote(&key, off, l));
-                    // Write with immediate: consumes a receive at the target.
-                    match imm {
-                        Some(imm) => w.imm(imm),
-                        None => w,
+        if !t.has_submissions() {
+            return Ok(moved);
+        }
+        // Sends and one-sided operations: as many as the send queue surely has room for
+        // (`sq` holds every work request posted and not yet retired), up to MAX_BATCH per
+        // doorbell; one alone goes by `post_send`.
+        loop {
+            let room = self.sq_depth.saturating_sub(self.sq.len());
+            let n = t.submit_len().min(room).min(ib::MAX_BATCH);
+            if n == 0 {
+                break;
+            }
+            if n == 1 {
+                let Some(token) = t.submit_front() else { break };
+                let req = self.request(t, token)?;
+                match self.qp.post_send(req.wr_id(token.0)) {
+                    Ok(()) => {
+                        t.submit_pop();
+                        self.sq.push_back(token);
+                    }
+                    Err(e) if matches!(e.error, ib::Error::QueueFull { .. }) => break,
+                    Err(_) => {
+                        // Refused by the verbs layer (e.g. an invalid request): fail this op.
+                        t.submit_pop();
+                        t.complete(token, Status::ProtocolError, 0, 0);
                     }
                 }
-                OpDesc::Read { key, off } => {
-                    let l = slice.len() as u64;
-                    ib::SendRequest::read(slice, remote(&key, off, l))
-                }
-                OpDesc::Atomic { key, off, op } => match op {
-                    AtomicOp::CompareSwap { expect, new } => {
-                        ib::SendRequest::compare_swap(slice, remote(&key, off, 8), expect, new)
-                    }
-                    AtomicOp::FetchAdd { add } => {
-                        ib::SendRequest::fetch_add(slice, remote(&key, off, 8), add)
-                    }
-                },
-                OpDesc::Recv => unreachable!("receives are not submissions"),
-            };
-            match self.qp.post_send(req.wr_id(token.0)) {
-                Ok(()) => {
-                    t.submit_pop();
-                    moved = true;
-                }
-                Err(e) if matches!(e.error, ib::Error::QueueFull { .. }) => break,
-                Err(e) => {
-                    // Refused by the verbs layer (e.g. an invalid request): fail this op.
-                    t.submit_pop();
-                    t.complete(token, Status::ProtocolError, 0, 0);
-                    let _ = e;
-                    moved = true;
-                }
+                moved = true;
+                continue;
+            }
+            let (posted, more) = self.post_many(t, n)?;
+            moved |= posted > 0;
+            if !more {
+                break;
             }
         }
         Ok(moved)
+    }
+
+    /// Posts the first `n` (at least 2) queued operations behind one doorbell; says how
+    /// many left the queue and whether to go on. Kept out of `submit` (never inlined): its arrays of
+    /// work requests would otherwise make every single post pay for a large stack frame.
+    #[inline(never)]
+    fn post_many(&mut self, t: &mut Tracker, n: usize) -> Result<(usize, bool)> {
+        let mut unsignalled = 0;
+        for i in 0..n {
+            let Some(token) = t.submit_get(i) else { break };
+            let mut req = match self.request(t, token) {
+                Ok(r) => r.wr_id(token.0),
+                Err(e) => {
+                    drop(self.batch.drain());
+                    return Err(e);
+                }
+            };
+            // Selective signalling: sends and writes may go without a completion of
+            // their own, except every SIGNAL_EVERY-th and the last of the doorbell;
+            // the next signalled one's completion retires them (send queues complete
+            // in order). READs and atomics (their completion says data arrived) keep
+            // theirs.
+            let quiet = t
+                .get(token)
+                .is_some_and(|p| matches!(p.desc, OpDesc::Send | OpDesc::Write { .. }));
+            if quiet && i + 1 < n && unsignalled + 1 < SIGNAL_EVERY {
+                req = req.unsignaled();
+                unsignalled += 1;
+            } else {
+                unsignalled = 0;
+            }
+            if self.batch.push(req).is_err() {
+                break;
+            }
+        }
+        let want = self.batch.len();
+        let res = self.qp.post_batch(&mut self.batch);
+        let posted = match &res {
+            Ok(p) => *p,
+            Err(_) => want - self.batch.len(),
+        };
+        for _ in 0..posted {
+            if let Some(token) = t.submit_pop() {
+                self.sq.push_back(token);
+            }
+        }
+        // What was not posted goes back to the tracker's queue (rebuilt next time).
+        drop(self.batch.drain());
+        if let Err(e) = res {
+            if posted > 0 {
+                // The posted part may end without a signalled request, so its
+                // completions might never come: give the connection up (the flushes
+                // of the error state retire what was posted).
+                let _ = self.qp.set_error();
+                return Err(Error::Protocol(format!("post_send (batch): {e}")));
+            }
+            if matches!(e, ib::Error::QueueFull { .. }) {
+                return Ok((0, false));
+            }
+            // The first request was refused: fail that op, as a single post does.
+            if let Some(token) = t.submit_pop() {
+                t.complete(token, Status::ProtocolError, 0, 0);
+            }
+            return Ok((1, true));
+        }
+        Ok((posted, posted == want))
     }
 
     /// Takes this connection's completions: those another connection routed to its
@@ -1426,14 +1544,18 @@ impl VerbsHal {
     fn reap(&mut self, t: &mut Tracker) -> Result<bool> {
         let me = self.qp_num;
         let VerbsHal {
-            seat, eager, qp, ..
+            seat,
+            eager,
+            qp,
+            sq,
+            ..
         } = self;
         let hub = &seat.hub;
         let mut st = hub.lock();
         let mut n = 0;
         let mut on = |wc: Wc| match eager.as_mut() {
             Some(e) if wc.recv => on_bounce(t, e, qp, wc),
-            _ => complete(t, wc),
+            _ => complete(t, sq, wc),
         };
         while let Some(wc) = st.demux.take(me) {
             on(wc);
@@ -1475,9 +1597,35 @@ fn tagged(e: &Eager, token: Token, tag: u64, payload: ib::MrSlice) -> Result<ib:
     Ok(sg)
 }
 
-/// Hands one completion to the tracker.
-fn complete(t: &mut Tracker, wc: Wc) {
+/// Hands one completion to the tracker. A send-queue completion first retires, as
+/// successful, the unsignalled work requests posted before it (`sq`, in post order: send
+/// queues complete in order, and a failing work request always reports itself, signalled
+/// or not).
+fn complete(t: &mut Tracker, sq: &mut VecDeque<Token>, wc: Wc) {
     let token = Token(wc.wr_id);
+    if !wc.recv {
+        while let Some(&front) = sq.front() {
+            sq.pop_front();
+            if front == token {
+                break;
+            }
+            complete_one(
+                t,
+                front,
+                Wc {
+                    wr_id: front.0,
+                    status: ib::WcStatus::Success,
+                    ..wc
+                },
+            );
+        }
+    }
+    complete_one(t, token, wc);
+}
+
+/// Hands the completion `wc` of `token` to the tracker.
+#[inline(always)]
+fn complete_one(t: &mut Tracker, token: Token, wc: Wc) {
     let status = map_status(wc.status);
     let Some(p) = t.get(token) else {
         return; // flushed after a local failure: already completed
@@ -1583,6 +1731,13 @@ impl Hal for VerbsHal {
             }
         }
         Ok(())
+    }
+
+    /// A post only hands what the tracker queued to the queue pair (one doorbell for all
+    /// of it): no CQ poll, no second pass. Completions are taken by the next `poll`; `arm`
+    /// routes what the CQ holds before it lets a caller sleep, so none is missed.
+    fn post_kick(&mut self, t: &mut Tracker, _recv: bool) -> Result<()> {
+        self.submit(t).map(|_| ())
     }
 
     fn wait_fd(&self) -> BorrowedFd<'_> {
