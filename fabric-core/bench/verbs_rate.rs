@@ -66,7 +66,7 @@ impl Deadline {
     }
     fn empty_pass(&mut self) {
         self.empty = self.empty.wrapping_add(1);
-        if self.empty % 4096 == 0 && Instant::now() > self.end {
+        if self.empty.is_multiple_of(4096) && Instant::now() > self.end {
             panic!("timed out");
         }
     }
