@@ -114,6 +114,10 @@ struct Args {
     /// send elsewhere.
     #[arg(long)]
     rd_mode: Option<RdMode>,
+    /// Largest message recursive doubling puts (larger ones go by sends): on the loaded
+    /// 2-CPU host puts were faster up to 1 KiB and slower at 2-4 KiB (BENCHMARKS).
+    #[arg(long, default_value_t = 1024)]
+    put_max_bytes: usize,
     /// All-gather by one-sided writes where the transport allows peers to write caller
     /// memory.
     #[arg(long)]
@@ -1832,7 +1836,11 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, all_local: bool) -> Re
         eprintln!("allreduce: {kind} has no one-sided writes and atomics into peers' memory; recursive doubling by sends instead");
     }
     if rd_put {
-        let max = args.rd_max_bytes.min(args.max_bytes).max(4);
+        let max = args
+            .put_max_bytes
+            .min(args.rd_max_bytes)
+            .min(args.max_bytes)
+            .max(4);
         comm.put = Some(PutRd::setup(&mut comm, max)?);
     }
     // The send ring's slots (the write ring has its own, remotely writable).
@@ -1860,9 +1868,13 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, all_local: bool) -> Re
     if rank == 0 {
         println!(
             "# fabric allreduce: {n} ranks, transport {kind}, f32 sum, out of place; \
-             rd up to {} B by {}, ring chunk {chunk} B x {} slots, reduce-scatter by {}{}",
+             rd up to {} B ({}), ring chunk {chunk} B x {} slots, reduce-scatter by {}{}",
             args.rd_max_bytes,
-            if rd_put { "puts" } else { "sends" },
+            if rd_put {
+                format!("puts up to {} B", args.put_max_bytes.min(args.rd_max_bytes))
+            } else {
+                "sends".to_string()
+            },
             args.slots.max(2),
             if rs_write { "writes" } else { "sends" },
             if one_sided {

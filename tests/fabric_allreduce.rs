@@ -115,7 +115,7 @@ fn correctness(transport: &str) {
             "rd",
             "--rd-mode",
             "put",
-            "--rd-max-bytes",
+            "--put-max-bytes",
             "32768",
             "--min-bytes",
             "16384",
@@ -124,6 +124,29 @@ fn correctness(transport: &str) {
         ]);
         let rows = rows_of(&a).expect("built");
         assert_table(&rows, 16384, 32768, "rd", &format!("{ctx}, rd by put"));
+        // Across the put threshold: puts up to 1 KiB, sends above, in one run (every rank
+        // makes the same choice per size).
+        let mut a = common.to_vec();
+        a.extend([
+            "--algo",
+            "rd",
+            "--rd-mode",
+            "put",
+            "--put-max-bytes",
+            "1024",
+            "--min-bytes",
+            "512",
+            "--max-bytes",
+            "4096",
+        ]);
+        let rows = rows_of(&a).expect("built");
+        assert_table(
+            &rows,
+            512,
+            4096,
+            "rd",
+            &format!("{ctx}, rd by put then send"),
+        );
         // The ring with 64-byte chunks and 2 slots: many chunks per segment, uneven
         // segments (counts not divisible by 3), segments shorter than a chunk; with the
         // reduce-scatter by two-sided sends and by one-sided writes with credits (2 slots:
