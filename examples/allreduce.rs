@@ -21,8 +21,13 @@
 //! peer by rendezvous (one copy instead of two).
 //!
 //! Algorithms: messages up to `--rd-max-bytes` use recursive doubling (log2 N exchanges of
-//! the whole vector; a non-power-of-two N folds its extra ranks in first and out last);
-//! larger ones a ring: reduce-scatter then all-gather, each segment split into
+//! the whole vector; a non-power-of-two N folds its extra ranks in first and out last). On
+//! shm its rounds up to `--put-max-bytes` are one-sided puts (`--rd-mode put`): the vector
+//! is written into a slot the partner registered once and a remote fetch-add on the
+//! partner's flag word says which operation it belongs to (a 4-byte vector rides in that
+//! word); the partner spins on its own word, so no receive is posted, nothing is matched
+//! and no poll sits on the critical path (see [`PutRd`]). Larger messages use a ring:
+//! reduce-scatter then all-gather, each segment split into
 //! `--chunk-bytes` chunks so that a chunk travels while the previous one is reduced. With
 //! `--one-sided` (transports that let peers write caller memory: tcp, verbs) the
 //! all-gather writes straight into the right neighbour's output with `post_write`, each
@@ -344,7 +349,7 @@ struct Comm {
     /// any later poll; `poll` counts them and hides them from the algorithms).
     credits_out: usize,
     /// The one-sided small-message path's state (when recursive doubling puts).
-    put: Option<PutRd>,
+    put: Option<Box<PutRd>>,
     /// Its writes and fetch-adds posted and not yet taken by `poll` (counted and hidden
     /// like the credits).
     puts_out: usize,
@@ -936,21 +941,18 @@ fn post_retry(comm: &mut Comm, mut post: impl FnMut(&mut Comm) -> Res<Posted>) -
     }
 }
 
-/// Puts `src[..bytes]` (or, for 4 bytes, the value itself) into `peer`'s round-`round`
-/// slot and flag for operation `pr.seq`.
+/// Puts `src[..bytes]` (or, for 4 bytes, the value `mine`, `src`'s content) into `peer`'s
+/// round-`round` slot and flag for operation `pr.seq`.
 fn put(
     comm: &mut Comm,
     pr: &mut PutRd,
     peer: usize,
     round: usize,
-    src: &fabric_core::Region,
-    bytes: usize,
+    (src, bytes, mine): (&fabric_core::Region, usize, u32),
 ) -> Res<()> {
     let key = pr.keys[round].ok_or("no key for this round's partner")?;
     let payload = if bytes == 4 {
-        let mut v = [0u8; 4];
-        src.read_at(0, &mut v)?;
-        u32::from_ne_bytes(v)
+        mine
     } else {
         let off = pr.slot(round, pr.seq) as u64;
         post_retry(comm, |c| {
@@ -1006,20 +1008,19 @@ fn put_wait(comm: &mut Comm, pr: &PutRd, round: usize, peer: usize) -> Res<u32> 
     res
 }
 
-/// `out = src + what the partner put` (the payload itself for 4 bytes, else its slot).
+/// `out = src + what the partner put` (the payload itself for 4 bytes, else its slot);
+/// returns the 4-byte sum's bits (`mine` is `src`'s content then).
 fn put_sum(
     pr: &mut PutRd,
     round: usize,
     payload: u32,
-    src: &fabric_core::Region,
+    (src, bytes, mine): (&fabric_core::Region, usize, u32),
     out: &fabric_core::Region,
-    bytes: usize,
-) -> Res<()> {
+) -> Res<u32> {
     if bytes == 4 {
-        let mut v = [0u8; 4];
-        src.read_at(0, &mut v)?;
-        let s = f32::from_ne_bytes(v) + f32::from_bits(payload);
-        return Ok(out.write_at(0, &s.to_ne_bytes())?);
+        let s = f32::from_bits(mine) + f32::from_bits(payload);
+        out.write_at(0, &s.to_ne_bytes())?;
+        return Ok(s.to_bits());
     }
     let slot = pr.slot(round, pr.seq);
     let mut o = 0;
@@ -1031,7 +1032,7 @@ fn put_sum(
         out.write_at(o, &pr.blk_a[..k])?;
         o += k;
     }
-    Ok(())
+    Ok(0)
 }
 
 /// Recursive doubling by puts (see [`PutRd`]); the rank pairing is [`allreduce_rd`]'s.
@@ -1050,10 +1051,17 @@ fn allreduce_put(comm: &mut Comm, pr: &mut PutRd, b: &Bufs<'_>) -> Res<()> {
     // into: its puts must have completed first.
     let reuse = n > 2;
     let mut have_out = false;
+    // A 4-byte vector's running value (read once; it travels in the flag words).
+    let mut mine = 0;
+    if bytes == 4 {
+        let mut v = [0u8; 4];
+        b.send.read_at(0, &mut v)?;
+        mine = u32::from_ne_bytes(v);
+    }
     let newrank = if r < 2 * rem {
         if r % 2 == 0 {
             // Folded out: hand the vector over, get the result back in our slot.
-            put(comm, pr, r + 1, 0, b.send, bytes)?;
+            put(comm, pr, r + 1, 0, (b.send, bytes, mine))?;
             let v = put_wait(comm, pr, 0, r + 1)?;
             if bytes == 4 {
                 b.out.write_at(0, &v.to_ne_bytes())?;
@@ -1073,7 +1081,7 @@ fn allreduce_put(comm: &mut Comm, pr: &mut PutRd, b: &Bufs<'_>) -> Res<()> {
         if reuse {
             drain_puts(comm)?;
         }
-        put_sum(pr, 0, v, b.send, b.out, bytes)?;
+        mine = put_sum(pr, 0, v, (b.send, bytes, mine), b.out)?;
         have_out = true;
         r / 2
     } else {
@@ -1082,16 +1090,16 @@ fn allreduce_put(comm: &mut Comm, pr: &mut PutRd, b: &Bufs<'_>) -> Res<()> {
     for j in 1..pr.rounds {
         let partner = rd_partner(newrank, 1 << (j - 1), rem);
         let src = if have_out { b.out } else { b.send };
-        put(comm, pr, partner, j, src, bytes)?;
+        put(comm, pr, partner, j, (src, bytes, mine))?;
         let v = put_wait(comm, pr, j, partner)?;
         if reuse {
             drain_puts(comm)?;
         }
-        put_sum(pr, j, v, src, b.out, bytes)?;
+        mine = put_sum(pr, j, v, (src, bytes, mine), b.out)?;
         have_out = true;
     }
     if r < 2 * rem {
-        put(comm, pr, r - 1, 0, b.out, bytes)?;
+        put(comm, pr, r - 1, 0, (b.out, bytes, mine))?;
     }
     finish_put(comm, pr)
 }
@@ -1841,7 +1849,7 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, all_local: bool) -> Re
             .min(args.rd_max_bytes)
             .min(args.max_bytes)
             .max(4);
-        comm.put = Some(PutRd::setup(&mut comm, max)?);
+        comm.put = Some(Box::new(PutRd::setup(&mut comm, max)?));
     }
     // The send ring's slots (the write ring has its own, remotely writable).
     let slots: Vec<fabric_core::Region> = (0..if rs_write { 0 } else { args.slots.max(2) })
