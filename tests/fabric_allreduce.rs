@@ -1,8 +1,9 @@
 //! `examples/allreduce` end to end: 2, 3 and 4 processes over shm and tcp (and verbs
 //! where an RDMA port is active), both algorithms forced over small sizes with tiny chunks
-//! (uneven segments, more chunks than slots), the ring's reduce-scatter by sends and by
-//! one-sided writes with credits, the one-sided all-gather, and a deliberately
-//! wrong input that the example's check must catch (non-zero exit).
+//! (uneven segments, more chunks than slots), recursive doubling by two-sided sends and by
+//! one-sided puts with flag words (below, across and above the put threshold), the ring's
+//! reduce-scatter by sends and by one-sided writes with credits, the one-sided all-gather,
+//! and a deliberately wrong input that the example's check must catch (non-zero exit).
 
 mod support;
 use std::path::PathBuf;
