@@ -21,8 +21,13 @@
 //! peer by rendezvous (one copy instead of two).
 //!
 //! Algorithms: messages up to `--rd-max-bytes` use recursive doubling (log2 N exchanges of
-//! the whole vector; a non-power-of-two N folds its extra ranks in first and out last);
-//! larger ones a ring: reduce-scatter then all-gather, each segment split into
+//! the whole vector; a non-power-of-two N folds its extra ranks in first and out last). On
+//! shm its rounds up to `--put-max-bytes` are one-sided puts (`--rd-mode put`): the vector
+//! is written into a slot the partner registered once and a remote fetch-add on the
+//! partner's flag word says which operation it belongs to (a 4-byte vector rides in that
+//! word); the partner spins on its own word, so no receive is posted, nothing is matched
+//! and no poll sits on the critical path (see [`PutRd`]). Larger messages use a ring:
+//! reduce-scatter then all-gather, each segment split into
 //! `--chunk-bytes` chunks so that a chunk travels while the previous one is reduced. With
 //! `--one-sided` (transports that let peers write caller memory: tcp, verbs) the
 //! all-gather writes straight into the right neighbour's output with `post_write`, each
@@ -107,6 +112,17 @@ struct Args {
     /// elsewhere.
     #[arg(long)]
     rs: Option<RsMode>,
+    /// How recursive doubling moves each round's vector: `put` (a one-sided write into
+    /// the partner's pre-registered slot and a remote fetch-add on its flag word, which the
+    /// partner spins on; 4 bytes ride in the flag word itself) or `send` (two-sided).
+    /// Default: put on shm (whose one-sided operations are copies made by the poster),
+    /// send elsewhere.
+    #[arg(long)]
+    rd_mode: Option<RdMode>,
+    /// Largest message recursive doubling puts (larger ones go by sends): on the loaded
+    /// 2-CPU host puts were faster up to 1 KiB and slower at 2-4 KiB (BENCHMARKS).
+    #[arg(long, default_value_t = 1024)]
+    put_max_bytes: usize,
     /// All-gather by one-sided writes where the transport allows peers to write caller
     /// memory.
     #[arg(long)]
@@ -136,6 +152,14 @@ struct Args {
 enum RsMode {
     /// One-sided writes into the right neighbour's receive slots, with credits.
     Write,
+    /// Two-sided sends into posted receives.
+    Send,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum RdMode {
+    /// One-sided writes into the partner's slots and fetch-adds on its flag words.
+    Put,
     /// Two-sided sends into posted receives.
     Send,
 }
@@ -324,6 +348,11 @@ struct Comm {
     /// The write ring's credit writes posted and not completed (they may complete during
     /// any later poll; `poll` counts them and hides them from the algorithms).
     credits_out: usize,
+    /// The one-sided small-message path's state (when recursive doubling puts).
+    put: Option<Box<PutRd>>,
+    /// Its writes and fetch-adds posted and not yet taken by `poll` (counted and hidden
+    /// like the credits).
+    puts_out: usize,
 }
 
 /// Outcome of a post: done, or refused for backpressure (the buffer is handed back).
@@ -360,6 +389,8 @@ impl Comm {
             done: Vec::with_capacity(2 * WINDOW),
             wring: None,
             credits_out: 0,
+            put: None,
+            puts_out: 0,
         })
     }
 
@@ -395,6 +426,18 @@ impl Comm {
         Self::posted(r, p, "write")
     }
 
+    fn atomic(&mut self, p: usize, buf: Buf, key: &RemoteKey, off: u64, add: u64) -> Res<Posted> {
+        let ep = self.ep(p)?;
+        let r = self.worker.endpoint(ep)?.post_atomic(
+            buf,
+            key,
+            off,
+            fabric_core::AtomicOp::FetchAdd { add },
+            PUT,
+        );
+        Self::posted(r, p, "fetch-add")
+    }
+
     /// One poll of every endpoint; finished operations go to `out` (their buffers are
     /// released here). A failed operation is an error. (Lockstep algorithms have work in
     /// flight only with the peers they wait for.)
@@ -414,6 +457,10 @@ impl Comm {
             }
             if c.wr_id == CREDIT {
                 self.credits_out = self.credits_out.saturating_sub(1);
+                continue;
+            }
+            if c.wr_id == PUT {
+                self.puts_out = self.puts_out.saturating_sub(1);
                 continue;
             }
             out.push(Done {
@@ -534,6 +581,8 @@ const WRITE: u64 = 1 << 62;
 const NOTICE: u64 = 1 << 61;
 /// A credit write (write ring); carries no step or chunk.
 const CREDIT: u64 = 1 << 60;
+/// A write or fetch-add of the one-sided small-message path; carries no step or chunk.
+const PUT: u64 = 1 << 59;
 
 fn wr(flags: u64, step: usize, chunk: usize) -> u64 {
     flags | ((step as u64) << 32) | chunk as u64
@@ -680,13 +729,24 @@ fn one_way_with(
 /// Recursive doubling (MPICH's scheme for a non-power-of-two N: ranks below 2·rem pair
 /// up, the even one hands its vector to the odd one and gets the result at the end).
 fn allreduce_rd(comm: &mut Comm, b: &Bufs<'_>) -> Res<()> {
+    if let Some(mut pr) = comm.put.take() {
+        let res = if b.bytes <= pr.max {
+            Some(allreduce_put(comm, &mut pr, b))
+        } else {
+            None
+        };
+        comm.put = Some(pr);
+        if let Some(res) = res {
+            return res;
+        }
+    }
     let (n, r, bytes) = (comm.size, comm.rank, b.bytes);
     let mut blk = std::mem::take(&mut comm.blk);
     let res = (|| -> Res<()> {
         if n == 1 {
             return copy_region(&mut blk, b.out, b.send, bytes);
         }
-        let p2 = 1usize << (usize::BITS - 1 - n.leading_zeros());
+        let p2 = pow2_below(n);
         let rem = n - p2;
         // `have_out`: the running sum is in `out` (else it is still `send`).
         let mut have_out = false;
@@ -706,8 +766,7 @@ fn allreduce_rd(comm: &mut Comm, b: &Bufs<'_>) -> Res<()> {
         };
         let mut mask = 1;
         while mask < p2 {
-            let pn = newrank ^ mask;
-            let partner = if pn < rem { pn * 2 + 1 } else { pn + rem };
+            let partner = rd_partner(newrank, mask, rem);
             let src = if have_out { b.out } else { b.send };
             exchange(comm, partner, partner, src, b.tmp, bytes)?;
             let t = b.tmp.bytes()?;
@@ -722,6 +781,336 @@ fn allreduce_rd(comm: &mut Comm, b: &Bufs<'_>) -> Res<()> {
     })();
     comm.blk = blk;
     res
+}
+
+/// The rank recursive doubling pairs `newrank` with at distance `mask` (ranks below
+/// `2 * rem` were folded in pairs: their new rank is `r / 2`, and the odd one stays).
+fn rd_partner(newrank: usize, mask: usize, rem: usize) -> usize {
+    let pn = newrank ^ mask;
+    if pn < rem {
+        pn * 2 + 1
+    } else {
+        pn + rem
+    }
+}
+
+/// The largest power of two not above `n` (n >= 1).
+fn pow2_below(n: usize) -> usize {
+    1usize << (usize::BITS - 1 - n.leading_zeros())
+}
+
+// ---------------------------------------------------------------------------------------
+// Recursive doubling by one-sided puts (the latency path on shm).
+
+/// Bytes per flag word's line (each round's flag on a cache line of its own).
+const FLAG_LINE: usize = 64;
+/// Puts left unreaped at most before `poll` takes their completions.
+const PUTS_UNREAPED: usize = 64;
+
+/// Recursive doubling without two-sided messages: in each round a rank writes its vector
+/// straight into a receive slot of its partner (`post_write`; slots registered once,
+/// remotely writable, two per round used by alternate operations) and then runs a
+/// fetch-add on the partner's flag word for that round, which leaves there
+/// `(operation number << 32) | payload`. The partner spins on its own flag word (a local
+/// atomic load: no poll, no matching, no receive to post) until the number is that of
+/// the current operation. A 4-byte vector travels in the payload itself: one fetch-add per
+/// round and no write. The fetch-add is an atomic read-modify-write that follows the
+/// write on the same connection (posts run in order), so a flag that says "operation k"
+/// means the slot holds operation k's bytes.
+///
+/// Why two slots per round are enough: a rank puts into its partner's round-j slot for
+/// operation k + 1 only after it finished operation k, which needed the partner's round-j
+/// put of operation k, which the partner made only after it had finished operation k - 1,
+/// the last one that read the slot operation k + 1 uses (the same parity). The flag words
+/// alternate the same way (one flag word per round would not do: the partner may finish
+/// operation k and overwrite the word with operation k + 1 before we looked at it; with
+/// two, the word of operation k + 2 is written only after we made our put of k + 1, that
+/// is after we saw k), so comparing the operation number for equality (32 bits,
+/// wrapping) is exact. Each word has one writer, which knows what it left there and adds
+/// the difference.
+#[derive(Debug)]
+struct PutRd {
+    /// Flag lines (two per round, used by alternate operations), then 2 slots of `max`
+    /// bytes per round; the partners write here.
+    rx: fabric_core::Region,
+    /// Result words of our fetch-adds (their old values; unused).
+    atom: fabric_core::Region,
+    /// By round (0: the fold of a non-power-of-two N, 1..: the doubling rounds): the
+    /// partner's `rx` key.
+    keys: Vec<Option<RemoteKey>>,
+    /// By round and parity: the value our fetch-adds left in the partner's flag word.
+    left: Vec<u64>,
+    rounds: usize,
+    /// Largest vector (bytes) this path takes.
+    max: usize,
+    /// Operations run so far (the current one's number once started).
+    seq: u64,
+    /// Fetch-adds posted so far (picks the result word).
+    adds: u64,
+    /// After each operation, wait for every put's completion (transports whose writes
+    /// may still be reading the source when the post returns).
+    drain_each: bool,
+    blk_a: Vec<u8>,
+    blk_b: Vec<u8>,
+}
+
+impl PutRd {
+    /// Registers the slots and flags and swaps keys with every partner (in the order of
+    /// the rounds, the order in which every pair meets).
+    fn setup(comm: &mut Comm, max: usize) -> Res<Self> {
+        let (n, r) = (comm.size, comm.rank);
+        let p2 = pow2_below(n);
+        let rem = n - p2;
+        let rounds = p2.trailing_zeros() as usize + 1;
+        let max = max.max(8).next_multiple_of(FLAG_LINE);
+        let d = comm.domain.clone();
+        let rx = d.register(
+            2 * (FLAG_LINE + max) * rounds,
+            Access::REMOTE_WRITE | Access::REMOTE_ATOMIC,
+        )?;
+        let mut keys = vec![None; rounds];
+        if r < 2 * rem {
+            keys[0] = Some(swap_key(comm, &rx, r ^ 1, r ^ 1)?);
+        }
+        if r >= 2 * rem || r % 2 == 1 {
+            let newrank = if r < 2 * rem { r / 2 } else { r - rem };
+            for (j, key) in keys.iter_mut().enumerate().skip(1) {
+                let p = rd_partner(newrank, 1 << (j - 1), rem);
+                *key = Some(swap_key(comm, &rx, p, p)?);
+            }
+        }
+        Ok(PutRd {
+            rx,
+            atom: d.register(8 * PUTS_UNREAPED * 2, Access::empty())?,
+            keys,
+            left: vec![0; 2 * rounds],
+            rounds,
+            max,
+            seq: 0,
+            adds: 0,
+            drain_each: d.kind() != TransportKind::Shm,
+            blk_a: vec![0u8; BLK],
+            blk_b: vec![0u8; BLK],
+        })
+    }
+
+    /// Operation `seq`'s flag word of `round`.
+    fn flag(&self, round: usize, seq: u64) -> usize {
+        FLAG_LINE * (2 * round + (seq % 2) as usize)
+    }
+
+    /// Operation `seq`'s slot of `round`.
+    fn slot(&self, round: usize, seq: u64) -> usize {
+        FLAG_LINE * 2 * self.rounds + (2 * round + (seq % 2) as usize) * self.max
+    }
+}
+
+/// Waits until every put has completed (their sources may be reused).
+fn drain_puts(comm: &mut Comm) -> Res<()> {
+    let mut done = std::mem::take(&mut comm.done);
+    let mut idle = Idle::new();
+    let res = (|| -> Res<()> {
+        while comm.puts_out > 0 {
+            done.clear();
+            if comm.poll(&mut done)? == 0 {
+                idle.wait(comm, usize::MAX)?;
+            } else {
+                idle.progress();
+            }
+        }
+        Ok(())
+    })();
+    done.clear();
+    comm.done = done;
+    res
+}
+
+/// Posts, retrying after taking completions while the connection is full.
+fn post_retry(comm: &mut Comm, mut post: impl FnMut(&mut Comm) -> Res<Posted>) -> Res<()> {
+    let mut idle = Idle::new();
+    loop {
+        if let Posted::Yes = post(comm)? {
+            comm.puts_out += 1;
+            return Ok(());
+        }
+        let n = comm.puts_out;
+        drain_puts(comm)?;
+        if n == 0 {
+            idle.wait(comm, usize::MAX)?;
+        }
+    }
+}
+
+/// Puts `src[..bytes]` (or, for 4 bytes, the value `mine`, `src`'s content) into `peer`'s
+/// round-`round` slot and flag for operation `pr.seq`.
+fn put(
+    comm: &mut Comm,
+    pr: &mut PutRd,
+    peer: usize,
+    round: usize,
+    (src, bytes, mine): (&fabric_core::Region, usize, u32),
+) -> Res<()> {
+    let key = pr.keys[round].ok_or("no key for this round's partner")?;
+    let payload = if bytes == 4 {
+        mine
+    } else {
+        let off = pr.slot(round, pr.seq) as u64;
+        post_retry(comm, |c| {
+            c.write(peer, src.slice(0, bytes)?, &key, off, PUT)
+        })?;
+        0
+    };
+    let word = ((pr.seq as u32 as u64) << 32) | u64::from(payload);
+    let f = 2 * round + (pr.seq % 2) as usize;
+    let add = word.wrapping_sub(pr.left[f]);
+    pr.left[f] = word;
+    let k = (pr.adds % (2 * PUTS_UNREAPED) as u64) as usize;
+    pr.adds += 1;
+    let off = pr.flag(round, pr.seq) as u64;
+    let atom = &pr.atom;
+    post_retry(comm, |c| {
+        c.atomic(peer, atom.slice(8 * k, 8)?, &key, off, add)
+    })
+}
+
+/// Waits for the round-`round` flag of the current operation; returns its payload.
+#[inline(never)]
+fn put_wait(comm: &mut Comm, pr: &PutRd, round: usize, peer: usize) -> Res<u32> {
+    let off = pr.flag(round, pr.seq);
+    let want = pr.seq as u32;
+    // Spin (the partner is running on a CPU of its own), unless ranks share CPUs.
+    let spins = if comm.oversubscribed { 0 } else { 2048 };
+    for _ in 0..spins {
+        let w = pr.rx.load_u64(off)?;
+        if (w >> 32) as u32 == want {
+            return Ok(w as u32);
+        }
+        std::hint::spin_loop();
+    }
+    // Longer: poll (a failed peer, the completions of our puts) and back off.
+    let mut done = std::mem::take(&mut comm.done);
+    let mut idle = Idle::new();
+    let res = loop {
+        let w = pr.rx.load_u64(off)?;
+        if (w >> 32) as u32 == want {
+            break Ok(w as u32);
+        }
+        done.clear();
+        if let Err(e) = comm.poll(&mut done) {
+            break Err(e);
+        }
+        if let Err(e) = idle.wait(comm, peer) {
+            break Err(e);
+        }
+    };
+    done.clear();
+    comm.done = done;
+    res
+}
+
+/// `out = src + what the partner put` (the payload itself for 4 bytes, else its slot);
+/// returns the 4-byte sum's bits (`mine` is `src`'s content then).
+fn put_sum(
+    pr: &mut PutRd,
+    round: usize,
+    payload: u32,
+    (src, bytes, mine): (&fabric_core::Region, usize, u32),
+    out: &fabric_core::Region,
+) -> Res<u32> {
+    if bytes == 4 {
+        let s = f32::from_bits(mine) + f32::from_bits(payload);
+        out.write_at(0, &s.to_ne_bytes())?;
+        return Ok(s.to_bits());
+    }
+    let slot = pr.slot(round, pr.seq);
+    let mut o = 0;
+    while o < bytes {
+        let k = (bytes - o).min(BLK);
+        pr.rx.read_at(slot + o, &mut pr.blk_a[..k])?;
+        src.read_at(o, &mut pr.blk_b[..k])?;
+        add_f32(&mut pr.blk_a[..k], &pr.blk_b[..k]);
+        out.write_at(o, &pr.blk_a[..k])?;
+        o += k;
+    }
+    Ok(0)
+}
+
+/// Recursive doubling by puts (see [`PutRd`]); the rank pairing is [`allreduce_rd`]'s.
+fn allreduce_put(comm: &mut Comm, pr: &mut PutRd, b: &Bufs<'_>) -> Res<()> {
+    let (n, r, bytes) = (comm.size, comm.rank, b.bytes);
+    if n == 1 {
+        let mut blk = std::mem::take(&mut comm.blk);
+        let res = copy_region(&mut blk, b.out, b.send, bytes);
+        comm.blk = blk;
+        return res;
+    }
+    pr.seq += 1;
+    let p2 = pow2_below(n);
+    let rem = n - p2;
+    // With more than one round (or a fold), `out` is a put's source and then summed
+    // into: its puts must have completed first.
+    let reuse = n > 2;
+    let mut have_out = false;
+    // A 4-byte vector's running value (read once; it travels in the flag words).
+    let mut mine = 0;
+    if bytes == 4 {
+        let mut v = [0u8; 4];
+        b.send.read_at(0, &mut v)?;
+        mine = u32::from_ne_bytes(v);
+    }
+    let newrank = if r < 2 * rem {
+        if r % 2 == 0 {
+            // Folded out: hand the vector over, get the result back in our slot.
+            put(comm, pr, r + 1, 0, (b.send, bytes, mine))?;
+            let v = put_wait(comm, pr, 0, r + 1)?;
+            if bytes == 4 {
+                b.out.write_at(0, &v.to_ne_bytes())?;
+            } else {
+                let slot = pr.slot(0, pr.seq);
+                let mut o = 0;
+                while o < bytes {
+                    let k = (bytes - o).min(BLK);
+                    pr.rx.read_at(slot + o, &mut pr.blk_a[..k])?;
+                    b.out.write_at(o, &pr.blk_a[..k])?;
+                    o += k;
+                }
+            }
+            return finish_put(comm, pr);
+        }
+        let v = put_wait(comm, pr, 0, r - 1)?;
+        if reuse {
+            drain_puts(comm)?;
+        }
+        mine = put_sum(pr, 0, v, (b.send, bytes, mine), b.out)?;
+        have_out = true;
+        r / 2
+    } else {
+        r - rem
+    };
+    for j in 1..pr.rounds {
+        let partner = rd_partner(newrank, 1 << (j - 1), rem);
+        let src = if have_out { b.out } else { b.send };
+        put(comm, pr, partner, j, (src, bytes, mine))?;
+        let v = put_wait(comm, pr, j, partner)?;
+        if reuse {
+            drain_puts(comm)?;
+        }
+        mine = put_sum(pr, j, v, (src, bytes, mine), b.out)?;
+        have_out = true;
+    }
+    if r < 2 * rem {
+        put(comm, pr, r - 1, 0, (b.out, bytes, mine))?;
+    }
+    finish_put(comm, pr)
+}
+
+/// Takes the puts' completions now and then (every operation where a put may still be
+/// reading its source when the post returns).
+fn finish_put(comm: &mut Comm, pr: &PutRd) -> Res<()> {
+    if pr.drain_each || comm.puts_out >= PUTS_UNREAPED {
+        drain_puts(comm)?;
+    }
+    Ok(())
 }
 
 fn copy_region(
@@ -1443,6 +1832,25 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, all_local: bool) -> Re
     if rs_write {
         comm.wring = Some(WriteRing::setup(&mut comm, chunk, args.slots.max(2))?);
     }
+    let rd_put = match args.rd_mode {
+        Some(m) => m == RdMode::Put,
+        None => kind == TransportKind::Shm,
+    } && n > 1
+        && caps.is_some_and(|c| c.one_sided && c.atomics)
+        && support
+            .allocated_remote
+            .contains(fabric_core::MemoryKinds::HOST);
+    if args.rd_mode == Some(RdMode::Put) && !rd_put && n > 1 && rank == 0 {
+        eprintln!("allreduce: {kind} has no one-sided writes and atomics into peers' memory; recursive doubling by sends instead");
+    }
+    if rd_put {
+        let max = args
+            .put_max_bytes
+            .min(args.rd_max_bytes)
+            .min(args.max_bytes)
+            .max(4);
+        comm.put = Some(Box::new(PutRd::setup(&mut comm, max)?));
+    }
     // The send ring's slots (the write ring has its own, remotely writable).
     let slots: Vec<fabric_core::Region> = (0..if rs_write { 0 } else { args.slots.max(2) })
         .map(|_| domain.register(chunk, Access::empty()))
@@ -1468,8 +1876,13 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, all_local: bool) -> Re
     if rank == 0 {
         println!(
             "# fabric allreduce: {n} ranks, transport {kind}, f32 sum, out of place; \
-             rd up to {} B, ring chunk {chunk} B x {} slots, reduce-scatter by {}{}",
+             rd up to {} B ({}), ring chunk {chunk} B x {} slots, reduce-scatter by {}{}",
             args.rd_max_bytes,
+            if rd_put {
+                format!("puts up to {} B", args.put_max_bytes.min(args.rd_max_bytes))
+            } else {
+                "sends".to_string()
+            },
             args.slots.max(2),
             if rs_write { "writes" } else { "sends" },
             if one_sided {
@@ -1542,6 +1955,8 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, all_local: bool) -> Re
             "-"
         };
         barrier(&mut comm, &tmp)?;
+        // The puts' completions hold slices of this size's buffers.
+        drain_puts(&mut comm)?;
         if rank == 0 {
             let algbw = bytes as f64 / us / 1e3;
             let busbw = algbw * 2.0 * (n as f64 - 1.0) / n as f64;

@@ -1,8 +1,9 @@
 //! `examples/allreduce` end to end: 2, 3 and 4 processes over shm and tcp (and verbs
 //! where an RDMA port is active), both algorithms forced over small sizes with tiny chunks
-//! (uneven segments, more chunks than slots), the ring's reduce-scatter by sends and by
-//! one-sided writes with credits, the one-sided all-gather, and a deliberately
-//! wrong input that the example's check must catch (non-zero exit).
+//! (uneven segments, more chunks than slots), recursive doubling by two-sided sends and by
+//! one-sided puts with flag words (below, across and above the put threshold), the ring's
+//! reduce-scatter by sends and by one-sided writes with credits, the one-sided all-gather,
+//! and a deliberately wrong input that the example's check must catch (non-zero exit).
 
 mod support;
 use std::path::PathBuf;
@@ -79,7 +80,10 @@ fn assert_table(rows: &[Vec<String>], min: usize, max: usize, algo: &str, ctx: &
 fn correctness(transport: &str) {
     for ranks in ["2", "3", "4"] {
         let ctx = format!("{transport}, {ranks} ranks");
-        // Recursive doubling (folding in the extra ranks of 3).
+        // Recursive doubling (folding in the extra ranks of 3), by two-sided sends and by
+        // one-sided puts (a write into the partner's slot and a fetch-add on its flag word;
+        // 4 bytes in the flag word alone); 2 iterations per size plus warm-up, check and
+        // barriers: both slot and flag parities are reused many times.
         let common = [
             "--ranks",
             ranks,
@@ -90,10 +94,60 @@ fn correctness(transport: &str) {
             "--warmup",
             "1",
         ];
+        for mode in ["send", "put"] {
+            let mut a = common.to_vec();
+            a.extend([
+                "--algo",
+                "rd",
+                "--rd-mode",
+                mode,
+                "--min-bytes",
+                "4",
+                "--max-bytes",
+                "256",
+            ]);
+            let Some(rows) = rows_of(&a) else { return };
+            assert_table(&rows, 4, 256, "rd", &format!("{ctx}, rd by {mode}"));
+        }
+        // Puts of vectors as long as one copy block (16 KiB) and longer.
         let mut a = common.to_vec();
-        a.extend(["--algo", "rd", "--min-bytes", "4", "--max-bytes", "256"]);
-        let Some(rows) = rows_of(&a) else { return };
-        assert_table(&rows, 4, 256, "rd", &ctx);
+        a.extend([
+            "--algo",
+            "rd",
+            "--rd-mode",
+            "put",
+            "--put-max-bytes",
+            "32768",
+            "--min-bytes",
+            "16384",
+            "--max-bytes",
+            "32768",
+        ]);
+        let rows = rows_of(&a).expect("built");
+        assert_table(&rows, 16384, 32768, "rd", &format!("{ctx}, rd by put"));
+        // Across the put threshold: puts up to 1 KiB, sends above, in one run (every rank
+        // makes the same choice per size).
+        let mut a = common.to_vec();
+        a.extend([
+            "--algo",
+            "rd",
+            "--rd-mode",
+            "put",
+            "--put-max-bytes",
+            "1024",
+            "--min-bytes",
+            "512",
+            "--max-bytes",
+            "4096",
+        ]);
+        let rows = rows_of(&a).expect("built");
+        assert_table(
+            &rows,
+            512,
+            4096,
+            "rd",
+            &format!("{ctx}, rd by put then send"),
+        );
         // The ring with 64-byte chunks and 2 slots: many chunks per segment, uneven
         // segments (counts not divisible by 3), segments shorter than a chunk; with the
         // reduce-scatter by two-sided sends and by one-sided writes with credits (2 slots:
@@ -191,34 +245,47 @@ fn one_sided_all_gather_over_tcp() {
 }
 
 /// The check can fail: one rank's input is off by one behind the check's back, and the run
-/// must exit non-zero naming the wrong element (for both algorithms).
+/// must exit non-zero naming the wrong element (for both algorithms, recursive doubling by
+/// sends and by puts, 4 bytes riding in the flag word and 64 in a slot).
 #[test]
 fn a_wrong_sum_fails_the_run() {
-    for algo in ["rd", "ring"] {
-        let Some(out) = run(&[
-            "--ranks",
-            "3",
-            "--algo",
-            algo,
-            "--min-bytes",
-            "64",
-            "--max-bytes",
-            "64",
-            "--iters",
-            "2",
-            "--inject-error",
-        ]) else {
-            return;
-        };
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(
-            !out.status.success(),
-            "{algo}: a wrong sum passed:\n{stderr}"
-        );
-        assert!(
-            stderr.contains("wrong result at 64 B, element 8"),
-            "{algo}: {stderr}"
-        );
+    for (algo, mode, bytes, element) in [
+        ("rd", "send", "64", "8"),
+        ("rd", "put", "64", "8"),
+        ("rd", "put", "4", "0"),
+        ("ring", "send", "64", "8"),
+    ] {
+        for ranks in ["2", "3"] {
+            let Some(out) = run(&[
+                "--ranks",
+                ranks,
+                "--transport",
+                "shm",
+                "--algo",
+                algo,
+                "--rd-mode",
+                mode,
+                "--min-bytes",
+                bytes,
+                "--max-bytes",
+                bytes,
+                "--iters",
+                "2",
+                "--inject-error",
+            ]) else {
+                return;
+            };
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            let ctx = format!("{algo} by {mode}, {ranks} ranks, {bytes} B");
+            assert!(
+                !out.status.success(),
+                "{ctx}: a wrong sum passed:\n{stderr}"
+            );
+            assert!(
+                stderr.contains(&format!("wrong result at {bytes} B, element {element}")),
+                "{ctx}: {stderr}"
+            );
+        }
     }
 }
 
