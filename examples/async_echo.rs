@@ -26,7 +26,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use fabric_core::async_worker::AsyncWorker;
+use fabric_core::async_worker::{AsyncOptions, AsyncWorker, AsyncWorkerStats};
 use fabric_core::backend::{self, Options};
 use fabric_core::{Access, Completion, Domain, OpKind, Transport, TransportKind};
 
@@ -62,6 +62,11 @@ struct Args {
     /// Message size of the latency comparison.
     #[arg(long, default_value_t = 8)]
     size: usize,
+    /// How long an awaited operation of the latency comparison busy-polls the worker
+    /// before it yields to the runtime (`AsyncOptions::op_spin`), in microseconds; 0: one
+    /// poll, then the runtime and the driver task. The many-clients server keeps 0.
+    #[arg(long, default_value_t = 20)]
+    op_spin_us: u64,
     /// Internal: the spawned peer of the latency comparison, connecting to ADDRESS.
     #[arg(long, hide = true, value_name = "ADDRESS")]
     latency_peer: Option<String>,
@@ -131,7 +136,7 @@ fn self_contained(args: &Args) -> Res<()> {
     let async_conn = backend::accept_timeout(listener.as_mut(), DEADLINE)?;
     let blocking = blocking_pings(blocking_conn, args)?;
     let rt = runtime()?;
-    let asynch = rt.block_on(async_pings(async_conn, args))?;
+    let (asynch, stats) = rt.block_on(async_pings(async_conn, args))?;
     reap(child, "the latency peer")?;
     println!(
         "async_echo: transport {}, {} B, {} round trips each (after {} warm-up)",
@@ -145,6 +150,13 @@ fn self_contained(args: &Args) -> Res<()> {
     println!(
         "  ratio async / blocking:        {:9.2}   (issue 15 asks <= 1.2 on shm)",
         asynch / blocking
+    );
+    println!(
+        "  async driver: {} sleeps, {} arms in {} round trips (with op_spin {} us)",
+        stats.sleeps,
+        stats.arms,
+        args.iters + args.iters / 10,
+        args.op_spin_us
     );
     // 2. many concurrent clients against our server
     drop(listener);
@@ -350,10 +362,15 @@ fn blocking_pings(mut t: Box<dyn Transport>, args: &Args) -> Res<f64> {
     Ok(t0.elapsed().as_secs_f64() / args.iters.max(1) as f64)
 }
 
+/// The async worker options of the latency comparison (both sides).
+fn latency_options(args: &Args) -> AsyncOptions {
+    AsyncOptions::default().with_op_spin(Duration::from_micros(args.op_spin_us))
+}
+
 /// The async side over its own connection.
-async fn async_pings(t: Box<dyn Transport>, args: &Args) -> Res<f64> {
+async fn async_pings(t: Box<dyn Transport>, args: &Args) -> Res<(f64, AsyncWorkerStats)> {
     let domain = t.domain().clone();
-    let w = AsyncWorker::new(&domain)?;
+    let w = AsyncWorker::with_options(&domain, latency_options(args))?;
     let ep = w.add(t)?;
     let r = domain.register(2 * SLOT, Access::empty())?;
     let (mut tx, mut rx) = (r.slice(0, args.size)?, r.slice(SLOT, SLOT)?);
@@ -372,10 +389,11 @@ async fn async_pings(t: Box<dyn Transport>, args: &Args) -> Res<f64> {
         (tx, rx) = (t, b);
     }
     let rtt = t0.elapsed().as_secs_f64() / args.iters.max(1) as f64;
+    let stats = w.stats();
     tx.set_len(1)?;
     let (res, _) = w.send(ep, tx).await; // tells the peer's async echo to stop
     res?;
-    Ok(rtt)
+    Ok((rtt, stats))
 }
 
 /// The spawned peer: connects twice, echoes blocking on the first connection, then async
@@ -394,7 +412,7 @@ fn latency_peer(args: &Args, addr: &str) -> Res<()> {
     let a = connect(&domain)?;
     let rt = runtime()?;
     let _enter = rt.enter();
-    let w = AsyncWorker::new(&domain)?;
+    let w = AsyncWorker::with_options(&domain, latency_options(args))?;
     let ep = w.add(a)?;
     let first = w.recv(ep, r.slice(2 * SLOT, SLOT)?);
     // blocking echo: receive into one buffer, re-post the other, send back the first

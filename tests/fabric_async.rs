@@ -425,6 +425,125 @@ fn idle_cpu(kind: TransportKind, test: &str) {
     assert!(stats.sleeps >= 1, "the driver never slept: {stats:?}");
 }
 
+/// After a completion the driver keeps spinning for `AsyncOptions::spin` even when no
+/// operation is pending at that moment: the task it just woke is about to post the next one
+/// (a ping-pong's next receive and send), and an arm and a sleep there cost a wake-up per
+/// round trip. With a spin far longer than the test, the driver must never arm.
+fn no_arm_while_recently_busy(kind: TransportKind, test: &str) {
+    let _g = serial();
+    let Some(d) = open(kind, test) else { return };
+    let stats = within(120, move || {
+        current_thread().block_on(async move {
+            let opts = AsyncOptions::default().with_spin(Duration::from_secs(600));
+            let w = AsyncWorker::with_options(&d, opts).unwrap();
+            let mut listener = d.listen().unwrap();
+            let (cmd_tx, cmd_rx) = std::sync::mpsc::channel();
+            let (ack_tx, _ack_rx) = std::sync::mpsc::channel();
+            let th = sender(kind, listener.address().to_owned(), cmd_rx, ack_tx);
+            let ep = w.accept(listener.as_mut()).await.unwrap();
+            let r = d.register(64, Access::empty()).unwrap();
+            for i in 0..3u64 {
+                let op = w.recv(ep, r.slice(0, 64).unwrap());
+                cmd_tx.send(Cmd::Send(i as u32)).unwrap();
+                let (res, b) = op.await;
+                assert_eq!(res.unwrap().len, 4);
+                assert_eq!(b.read_u64().map(|v| v as u32), Some(i as u32));
+                // nothing pending now: the driver runs, and must keep spinning
+                for _ in 0..50 {
+                    tokio::task::yield_now().await;
+                }
+            }
+            cmd_tx.send(Cmd::Quit).unwrap();
+            th.join().unwrap();
+            w.stats()
+        })
+    });
+    println!("{test}: {stats:?}");
+    assert_eq!(stats.completions, 3, "{stats:?}");
+    assert_eq!(
+        stats.arms, 0,
+        "the driver armed while recently busy: {stats:?}"
+    );
+}
+
+#[test]
+fn shm_async_driver_spins_between_operations() {
+    no_arm_while_recently_busy(
+        TransportKind::Shm,
+        "shm_async_driver_spins_between_operations",
+    );
+}
+
+#[test]
+fn tcp_async_driver_spins_between_operations() {
+    no_arm_while_recently_busy(
+        TransportKind::Tcp,
+        "tcp_async_driver_spins_between_operations",
+    );
+}
+
+/// `AsyncOptions::op_spin`: an awaited operation busy-polls the worker itself for that long
+/// before it returns `Pending`. A message sent 20 ms after the await began completes within
+/// the first poll with a long `op_spin`, and not with none.
+fn op_spin_completes_within_the_first_poll(kind: TransportKind, test: &str) {
+    use std::future::Future;
+    use std::task::Poll;
+    let _g = serial();
+    let Some(d) = open(kind, test) else { return };
+    let firsts = within(120, move || {
+        current_thread().block_on(async move {
+            let mut firsts = Vec::new();
+            for spin in [Duration::ZERO, Duration::from_secs(60)] {
+                let opts = AsyncOptions::default().with_op_spin(spin);
+                let w = AsyncWorker::with_options(&d, opts).unwrap();
+                let mut listener = d.listen().unwrap();
+                let (cmd_tx, cmd_rx) = std::sync::mpsc::channel();
+                let (ack_tx, _ack_rx) = std::sync::mpsc::channel();
+                let th = sender(kind, listener.address().to_owned(), cmd_rx, ack_tx);
+                let ep = w.accept(listener.as_mut()).await.unwrap();
+                let r = d.register(64, Access::empty()).unwrap();
+                let mut op = std::pin::pin!(w.recv(ep, r.slice(0, 64).unwrap()));
+                let tx = cmd_tx.clone();
+                let later = std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_millis(20));
+                    tx.send(Cmd::Send(5)).unwrap();
+                });
+                let polled = std::future::poll_fn(|cx| Poll::Ready(op.as_mut().poll(cx))).await;
+                let first = polled.is_ready();
+                let (res, b) = match polled {
+                    Poll::Ready(done) => done,
+                    Poll::Pending => op.await,
+                };
+                assert_eq!(res.unwrap().len, 4);
+                assert_eq!(b.read_u64().map(|v| v as u32), Some(5));
+                later.join().unwrap();
+                cmd_tx.send(Cmd::Quit).unwrap();
+                th.join().unwrap();
+                firsts.push(first);
+            }
+            firsts
+        })
+    });
+    println!("{test}: ready at the first poll without / with op_spin: {firsts:?}");
+    assert_eq!(firsts, [false, true], "{test}");
+}
+
+#[test]
+fn shm_async_op_spin_completes_within_the_first_poll() {
+    op_spin_completes_within_the_first_poll(
+        TransportKind::Shm,
+        "shm_async_op_spin_completes_within_the_first_poll",
+    );
+}
+
+#[test]
+fn tcp_async_op_spin_completes_within_the_first_poll() {
+    op_spin_completes_within_the_first_poll(
+        TransportKind::Tcp,
+        "tcp_async_op_spin_completes_within_the_first_poll",
+    );
+}
+
 #[test]
 fn shm_async_idle_await_costs_almost_no_cpu() {
     idle_cpu(
@@ -750,6 +869,9 @@ fn async_echo(kind: TransportKind, test: &str) {
     assert!(figure("blocking ping-pong round trip") > 0.0);
     assert!(figure("async (.await) round trip") > 0.0);
     assert!(figure("ratio async / blocking") > 0.0);
+    // The driver's sleeps during the latency comparison are printed (the driver's spin
+    // between operations is tested without timing in `*_driver_spins_between_operations`).
+    assert!(stdout.contains("async driver:"), "{stdout}");
     assert!(
         stdout.contains("server: 200 echoes for 4 concurrent clients"),
         "{stdout}"

@@ -45,9 +45,11 @@
 //! task, and when there is nothing to do sleeps on the fd:
 //!
 //! 1. poll the worker; dispatch what it returned;
-//! 2. nothing, but operations are pending and the last completion is younger than
-//!    [`AsyncOptions::spin`]: yield to the runtime and go to 1 (a short busy phase keeps
-//!    round trips at busy-poll latency; it ends while the runtime keeps running other tasks);
+//! 2. nothing, but the last completion (or wake-up) is younger than
+//!    [`AsyncOptions::spin`]: yield to the runtime and go to 1, whether or not an operation
+//!    is pending at that moment (the task a completion just woke is about to post its next
+//!    one; a short busy phase keeps round trips at busy-poll latency, and it ends while the
+//!    runtime keeps running other tasks);
 //! 3. [`Worker::arm`]: every active endpoint is armed and parked on the fd. `false` means
 //!    some endpoint found work that arrived between the poll and the arm: go to 1;
 //! 4. await readiness of the fd (or a *kick*: a new post, which may make a dormant endpoint
@@ -56,7 +58,9 @@
 //! An [`Op`] that is polled before its completion was dispatched polls the worker itself
 //! once (up to four completions; the others' are handed to their slots): a send's
 //! completion is usually there at once, and taking it there saves a round through the
-//! driver task. Because such a poll may move an endpoint whose fd fired back to the active
+//! driver task. With [`AsyncOptions::op_spin`] it keeps polling for that long (releasing the
+//! worker between polls) before it returns `Pending`: a latency-bound task then waits like
+//! a blocking busy-poll, at the price of holding the runtime's thread meanwhile. Because such a poll may move an endpoint whose fd fired back to the active
 //! queue (where no fd watches it), it kicks the driver, which then polls and arms again
 //! before it sleeps.
 //!
@@ -160,6 +164,13 @@ pub struct AsyncOptions {
     pub spin: Duration,
     /// Completions taken from the worker per poll. Default 64.
     pub batch: usize,
+    /// How long an [`Op`] polled before its completion came keeps polling the worker
+    /// itself (busy, on the runtime's thread) before it returns `Pending`. Zero (the
+    /// default): one poll. A latency-bound task (a ping-pong, an RPC client awaiting one
+    /// reply at a time) gets busy-poll round trips with a few microseconds here, without a
+    /// trip through the runtime and the driver task; a server with many tasks keeps it at
+    /// zero, since the spin holds the runtime's thread (and so every other task on it).
+    pub op_spin: Duration,
 }
 
 impl Default for AsyncOptions {
@@ -167,6 +178,7 @@ impl Default for AsyncOptions {
         AsyncOptions {
             spin: Duration::from_micros(50),
             batch: 64,
+            op_spin: Duration::ZERO,
         }
     }
 }
@@ -175,6 +187,12 @@ impl AsyncOptions {
     /// These options with `spin` set.
     pub fn with_spin(mut self, spin: Duration) -> Self {
         self.spin = spin;
+        self
+    }
+
+    /// These options with `op_spin` set.
+    pub fn with_op_spin(mut self, op_spin: Duration) -> Self {
+        self.op_spin = op_spin;
         self
     }
 }
@@ -239,6 +257,9 @@ struct Table {
     free: Vec<u32>,
     /// Slots `Waiting` or `Abandoned` (operations still in flight).
     pending: usize,
+    /// An [`Op`]'s own polls land here (`INLINE_POLL` events, kept between polls so that
+    /// a poll does not build and drop a fresh array of completions).
+    inline: Vec<Event>,
 }
 
 impl Table {
@@ -277,6 +298,10 @@ impl Table {
         self.pending -= 1;
         self.release(wr_id);
     }
+}
+
+fn inline_events() -> Vec<Event> {
+    (0..INLINE_POLL).map(|_| Event::default()).collect()
 }
 
 type Hook = Box<dyn FnMut() + Send>;
@@ -442,8 +467,11 @@ async fn drive(shared: Arc<Shared>) {
                 continue;
             }
         }
-        let pending = lock(&shared.table).pending;
-        if pending > 0 && shared.recently_busy(last_work) {
+        // Spin while a completion is recent, whether or not an operation is pending now:
+        // the task a completion just woke has not run yet, and its next post (a ping-pong's
+        // next receive and send) would otherwise find the driver armed and asleep, costing
+        // an arm, a sleep and a kick per round trip (8x the blocking round trip on shm).
+        if shared.recently_busy(last_work) {
             tokio::task::yield_now().await;
             continue;
         }
@@ -565,6 +593,7 @@ impl AsyncWorker {
                 slots: Vec::new(),
                 free: Vec::new(),
                 pending: 0,
+                inline: inline_events(),
             }),
             opts,
             users: AtomicUsize::new(1),
@@ -871,12 +900,33 @@ impl Future for Op {
         let mut woken: [Option<Waker>; INLINE_POLL] = Default::default();
         let mut inline = false;
         if matches!(t.get(wr_id), Some(Slot::Waiting(_))) {
-            let mut events: [Event; INLINE_POLL] = std::array::from_fn(|_| Event::default());
+            // Taken out of the table while the table is borrowed by the poll; put back below.
+            // (Another thread's Op may hold them while this one spins: then a fresh set.)
+            let mut events = std::mem::take(&mut t.inline);
+            if events.len() < INLINE_POLL {
+                events = inline_events();
+            }
             let mut k = 0;
-            let _ = shared.dispatch(&mut t, &mut events, |w| {
-                woken[k] = Some(w);
-                k += 1;
-            });
+            let spin_until =
+                (!shared.opts.op_spin.is_zero()).then(|| Instant::now() + shared.opts.op_spin);
+            loop {
+                let room = INLINE_POLL - k;
+                let _ = shared.dispatch(&mut t, &mut events[..room], |w| {
+                    woken[k] = Some(w);
+                    k += 1;
+                });
+                let more = k < INLINE_POLL
+                    && matches!(t.get(wr_id), Some(Slot::Waiting(_)))
+                    && spin_until.is_some_and(|end| Instant::now() < end);
+                if !more {
+                    t.inline = events;
+                    break;
+                }
+                // Posts from other threads get the worker between two polls.
+                drop(t);
+                std::hint::spin_loop();
+                t = lock(&shared.table);
+            }
             // That poll may have taken a parked endpoint's fd event and left the endpoint
             // active (no longer watched): have the driver poll and arm again before it
             // sleeps, or work arriving there would wake nobody.
@@ -970,6 +1020,7 @@ mod tests {
             slots: Vec::new(),
             free: Vec::new(),
             pending: 0,
+            inline: inline_events(),
         };
         let a = t.claim();
         assert_eq!(t.pending, 1);
