@@ -426,8 +426,22 @@ fn latency_peer(args: &Args, addr: &str) -> Res<()> {
             OpKind::Recv => {
                 echoed += 1;
                 if echoed < total {
-                    b.post_recv(spare.take().ok_or("spare")?, 0)
-                        .map_err(|e| e.error)?;
+                    // The previous echo's send completion can come after this receive's
+                    // (verbs orders nothing between the send and the receive queue): then
+                    // wait for it, before the echo that lets the peer send again.
+                    let next = match spare.take() {
+                        Some(s) => s,
+                        None => {
+                            let c = poll_one(b.as_mut(), &mut out)?;
+                            if c.op == OpKind::Recv {
+                                return Err("a receive completed with none posted".into());
+                            }
+                            let mut s = c.buf.ok_or("a completion without its buffer")?;
+                            s.set_len(SLOT)?;
+                            s
+                        }
+                    };
+                    b.post_recv(next, 0).map_err(|e| e.error)?;
                 }
                 buf.set_len(c.len)?;
                 b.post_send(buf, 1).map_err(|e| e.error)?;
