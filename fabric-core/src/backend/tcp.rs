@@ -1290,72 +1290,12 @@ mod tests {
 
     const KIND: TransportKind = TransportKind::Tcp;
 
-    /// A receive posted after its message arrived (and was taken off the wire while no
-    /// receive was posted) is found by the next `wait` without sleeping: a post no longer
-    /// runs a full progress pass, so `post_kick` / `arm` must cover it.
+    /// See [`crate::backend::shared_tests::a_receive_posted_after_its_message_arrived_does_not_sleep`].
     #[test]
     fn a_receive_posted_after_its_message_arrived_does_not_sleep() {
-        use crate::backend::{self, Options};
-        use crate::transport::Completion;
-        use std::time::{Duration, Instant};
-        let opts = Options::default();
-        let mut l = backend::listen(KIND, &opts).expect("listen");
-        let mut c = backend::connect(l.address(), &opts).expect("connect");
-        let (mut a, mut b) = (None, None);
-        let end = Instant::now() + Duration::from_secs(10);
-        while a.is_none() || b.is_none() {
-            assert!(Instant::now() < end, "no connection");
-            if a.is_none() {
-                a = l.accept().expect("accept");
-            }
-            if b.is_none() {
-                b = c.poll_connect().expect("connect");
-            }
-        }
-        let (mut a, mut b) = (a.expect("a"), b.expect("b"));
-        let tx = a.register(64, Access::empty()).expect("register");
-        let rx = b.register(64, Access::empty()).expect("register");
-        tx.slice(0, 8)
-            .expect("slice")
-            .copy_from(b"hot path")
-            .expect("fill");
-        a.post_send(tx.slice(0, 8).expect("slice"), 1)
-            .expect("send");
-        let mut out: Vec<Completion> = (0..1).map(|_| Completion::default()).collect();
-        // The message arrives while B has no receive: polls take it as far as they can.
-        for _ in 0..100 {
-            let _ = a.poll(&mut out).expect("poll a");
-            assert_eq!(
-                b.poll(&mut out).expect("poll b"),
-                0,
-                "completion without a receive"
-            );
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        b.post_recv(rx.slice(0, 64).expect("slice"), 2)
-            .expect("recv");
-        let t0 = Instant::now();
-        b.wait(Some(Duration::from_secs(5))).expect("wait");
-        assert!(
-            t0.elapsed() < Duration::from_secs(2),
-            "slept {:?} with a message waiting for the receive just posted",
-            t0.elapsed()
+        crate::backend::shared_tests::a_receive_posted_after_its_message_arrived_does_not_sleep(
+            KIND,
         );
-        assert_eq!(
-            b.poll(&mut out).expect("poll b"),
-            1,
-            "the receive did not complete"
-        );
-        assert!(out[0].status.is_ok(), "{:?}", out[0].status);
-        assert_eq!(out[0].len, 8);
-        let mut got = [0u8; 8];
-        out[0]
-            .buf
-            .as_ref()
-            .expect("buf")
-            .copy_to(&mut got)
-            .expect("read");
-        assert_eq!(&got, b"hot path");
     }
 
     #[test]
