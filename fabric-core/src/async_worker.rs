@@ -237,6 +237,12 @@ fn bump(c: &AtomicU64) {
     c.fetch_add(1, Ordering::Relaxed);
 }
 
+/// Adds `n` to a counter that only changes under the table's lock: a load and a store, no
+/// read-modify-write on the per-operation path.
+fn add_locked(c: &AtomicU64, n: u64) {
+    c.store(c.load(Ordering::Relaxed) + n, Ordering::Relaxed);
+}
+
 /// Completions an [`Op`] takes from the worker when it polls it itself.
 const INLINE_POLL: usize = 4;
 
@@ -336,6 +342,11 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Shared {
     fn kick(&self) {
+        // Already kicked (the driver has not taken it yet, e.g. while it spins): nothing to
+        // add, and no read-modify-write on the per-operation path.
+        if self.kicked.load(Ordering::Acquire) {
+            return;
+        }
         if !self.kicked.swap(true, Ordering::AcqRel) {
             if let Some(w) = lock(&self.driver).take() {
                 w.wake();
@@ -398,9 +409,7 @@ impl Shared {
                 other => *slot = other,
             }
         }
-        self.stats
-            .completions
-            .fetch_add(n as u64, Ordering::Relaxed);
+        add_locked(&self.stats.completions, n as u64);
         self.activity
             .store(self.epoch.elapsed().as_nanos() as u64, Ordering::Relaxed);
         Ok(n)
@@ -735,8 +744,8 @@ impl AsyncWorker {
         };
         match r {
             Ok(()) => {
+                add_locked(&self.shared.stats.posts, 1);
                 drop(t);
-                bump(&self.shared.stats.posts);
                 self.shared.kick();
                 Op {
                     shared: Some(self.shared.add_user()),
