@@ -362,7 +362,7 @@ fn correct_over_verbs_when_available() {
         skip("rdma", format_args!("allreduce over verbs: {e}"));
         return;
     }
-    for ranks in ["2", "3"] {
+    for ranks in ["2", "3", "4"] {
         for (algo, rs) in [("rd", "send"), ("ring", "send"), ("ring", "write")] {
             let Some(rows) = rows_of(&[
                 "--ranks",
