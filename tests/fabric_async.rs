@@ -544,6 +544,78 @@ fn tcp_async_op_spin_completes_within_the_first_poll() {
     );
 }
 
+/// The driver outlives the last handle while an operation is live (its future still
+/// completes), and stops once that operation is done: the worker and its connections are
+/// dropped then, which the peer sees as its connection gone.
+fn driver_stops_after_the_last_handle_and_operation(kind: TransportKind, test: &str) {
+    let _g = serial();
+    let Some(d) = open(kind, test) else { return };
+    let peer_saw = within(120, move || {
+        current_thread().block_on(async move {
+            let w = AsyncWorker::new(&d).unwrap();
+            let mut listener = d.listen().unwrap();
+            let addr = listener.address().to_owned();
+            let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+            let peer = std::thread::spawn(move || {
+                let d = Domain::open(kind, &Options::default()).unwrap();
+                let mut c = d.connect(&addr).unwrap();
+                let mut t = backend::connect_timeout(c.as_mut(), Duration::from_secs(60)).unwrap();
+                let r = d.register(64, Access::empty()).unwrap();
+                t.post_recv(r.slice(8, 8).unwrap(), 2)
+                    .map_err(|e| e.error)
+                    .unwrap();
+                go_rx.recv().unwrap();
+                let b = r.slice(0, 4).unwrap();
+                b.copy_from(&9u32.to_le_bytes()).unwrap();
+                t.post_send(b, 1).map_err(|e| e.error).unwrap();
+                // the send's completion, then the receive's: it can only end with the
+                // connection (nothing is ever sent to this side)
+                let mut statuses = Vec::new();
+                for _ in 0..2 {
+                    statuses.push(complete(t.as_mut(), Duration::from_secs(60)).status);
+                }
+                statuses
+            });
+            let ep = w.accept(listener.as_mut()).await.unwrap();
+            let r = d.register(64, Access::empty()).unwrap();
+            let op = w.recv(ep, r.slice(0, 64).unwrap());
+            drop(w); // the last handle, with the receive still live
+            go_tx.send(()).unwrap();
+            let (res, b) = op.await;
+            assert_eq!(res.unwrap().len, 4);
+            assert_eq!(b.read_u64().map(|v| v as u32), Some(9));
+            drop(b);
+            // nothing holds the worker now but the driver, which must stop and drop it
+            // (the runtime's thread stays free for it while the peer is awaited)
+            tokio::task::spawn_blocking(move || peer.join().unwrap())
+                .await
+                .unwrap()
+        })
+    });
+    println!("{test}: the peer's send and receive ended with {peer_saw:?}");
+    assert!(peer_saw[0].is_ok(), "{peer_saw:?}");
+    assert!(
+        !peer_saw[1].is_ok(),
+        "the peer's receive completed: {peer_saw:?}"
+    );
+}
+
+#[test]
+fn shm_async_driver_stops_after_the_last_handle_and_operation() {
+    driver_stops_after_the_last_handle_and_operation(
+        TransportKind::Shm,
+        "shm_async_driver_stops_after_the_last_handle_and_operation",
+    );
+}
+
+#[test]
+fn tcp_async_driver_stops_after_the_last_handle_and_operation() {
+    driver_stops_after_the_last_handle_and_operation(
+        TransportKind::Tcp,
+        "tcp_async_driver_stops_after_the_last_handle_and_operation",
+    );
+}
+
 #[test]
 fn shm_async_idle_await_costs_almost_no_cpu() {
     idle_cpu(

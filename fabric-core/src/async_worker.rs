@@ -263,6 +263,8 @@ struct Table {
     free: Vec<u32>,
     /// Slots `Waiting` or `Abandoned` (operations still in flight).
     pending: usize,
+    /// [`Op`]s posted and neither completed nor dropped.
+    live_ops: usize,
     /// An [`Op`]'s own polls land here (`INLINE_POLL` events, kept between polls so that
     /// a poll does not build and drop a fresh array of completions).
     inline: Vec<Event>,
@@ -319,7 +321,9 @@ struct Shared {
     table: Mutex<Table>,
     domain: Domain,
     opts: AsyncOptions,
-    /// Handles plus live `Op`s: the driver stops when it reaches 0.
+    /// Handles (the [`AsyncWorker`] and its clones). The driver stops when there are none
+    /// and no [`Op`] is live ([`Table::live_ops`], counted under the table's lock so that an
+    /// operation costs no read-modify-write of a shared counter).
     users: AtomicUsize,
     closed: AtomicBool,
     /// A post happened since the driver last looked (it may have to progress an endpoint
@@ -359,12 +363,26 @@ impl Shared {
         self.clone()
     }
 
+    /// A handle went: the last one closes the driver once no [`Op`] is live. (The count
+    /// goes down before the table is locked, and an [`Op`] that finishes checks it under the
+    /// lock: whichever of the two comes second sees the other and closes.)
     fn drop_user(&self) {
-        if self.users.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.closed.store(true, Ordering::Release);
-            if let Some(w) = lock(&self.driver).take() {
-                w.wake();
-            }
+        if self.users.fetch_sub(1, Ordering::AcqRel) == 1 && lock(&self.table).live_ops == 0 {
+            self.close();
+        }
+    }
+
+    /// An [`Op`] completed or was dropped (under the table's lock): whether it was the last
+    /// user, and the driver must be closed (after the lock is released).
+    fn op_finished(&self, t: &mut Table) -> bool {
+        t.live_ops -= 1;
+        t.live_ops == 0 && self.users.load(Ordering::Acquire) == 0
+    }
+
+    fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        if let Some(w) = lock(&self.driver).take() {
+            w.wake();
         }
     }
 
@@ -602,6 +620,7 @@ impl AsyncWorker {
                 slots: Vec::new(),
                 free: Vec::new(),
                 pending: 0,
+                live_ops: 0,
                 inline: inline_events(),
             }),
             opts,
@@ -745,10 +764,11 @@ impl AsyncWorker {
         match r {
             Ok(()) => {
                 add_locked(&self.shared.stats.posts, 1);
+                t.live_ops += 1;
                 drop(t);
                 self.shared.kick();
                 Op {
-                    shared: Some(self.shared.add_user()),
+                    shared: Some(self.shared.clone()),
                     wr_id,
                     refused: None,
                 }
@@ -944,12 +964,14 @@ impl Future for Op {
         let Some(slot) = t.get(wr_id) else {
             unreachable!("an Op's slot stays claimed until the Op takes or drops it")
         };
+        let mut last = false;
         let out = match slot {
             Slot::Done(_) => {
                 let Slot::Done(c) = std::mem::replace(slot, Slot::Free) else {
                     unreachable!()
                 };
                 t.release(wr_id);
+                last = shared.op_finished(&mut t);
                 Some(c)
             }
             Slot::Waiting(w) => {
@@ -972,7 +994,9 @@ impl Future for Op {
         match out {
             Some(c) => {
                 if let Some(s) = this.shared.take() {
-                    s.drop_user();
+                    if last {
+                        s.close();
+                    }
                 }
                 Poll::Ready(finish(c))
             }
@@ -986,9 +1010,9 @@ impl Drop for Op {
         let Some(shared) = self.shared.take() else {
             return;
         };
-        let done = {
+        let (done, last) = {
             let mut t = lock(&shared.table);
-            match t.get(self.wr_id) {
+            let done = match t.get(self.wr_id) {
                 Some(slot @ Slot::Waiting(_)) => {
                     // Still in flight: the transport holds the buffer; the driver drops the
                     // completion (and the buffer) when it comes.
@@ -1001,11 +1025,14 @@ impl Drop for Op {
                     Some(c)
                 }
                 _ => None,
-            }
+            };
+            (done, shared.op_finished(&mut t))
         };
-        // The operation is over: its buffer may go (outside the lock).
+        // The operation is over for its future: its buffer may go (outside the lock).
         drop(done);
-        shared.drop_user();
+        if last {
+            shared.close();
+        }
     }
 }
 
@@ -1029,6 +1056,7 @@ mod tests {
             slots: Vec::new(),
             free: Vec::new(),
             pending: 0,
+            live_ops: 0,
             inline: inline_events(),
         };
         let a = t.claim();
