@@ -246,6 +246,26 @@ enum Cmd {
     Quit,
 }
 
+/// A [`sender`] thread connected to `w` through a listener of `d`: the endpoint, the
+/// command and acknowledgement channels, and the thread.
+async fn sender_peer(
+    kind: TransportKind,
+    d: &Domain,
+    w: &AsyncWorker,
+) -> (
+    fabric_core::worker::EndpointId,
+    std::sync::mpsc::Sender<Cmd>,
+    std::sync::mpsc::Receiver<()>,
+    std::thread::JoinHandle<()>,
+) {
+    let mut listener = d.listen().unwrap();
+    let (cmd_tx, cmd_rx) = std::sync::mpsc::channel();
+    let (ack_tx, ack_rx) = std::sync::mpsc::channel();
+    let th = sender(kind, listener.address().to_owned(), cmd_rx, ack_tx);
+    let ep = w.accept(listener.as_mut()).await.unwrap();
+    (ep, cmd_tx, ack_rx, th)
+}
+
 /// A blocking sender in a thread: sends a 4-byte round number on each command and waits
 /// for its send completion (the message is then at the receiver) before acknowledging.
 fn sender(
@@ -281,11 +301,7 @@ fn no_lost_completion(kind: TransportKind, test: &str, rounds: u32) {
             let w =
                 AsyncWorker::with_options(&d, AsyncOptions::default().with_spin(Duration::ZERO))
                     .unwrap();
-            let mut listener = d.listen().unwrap();
-            let (cmd_tx, cmd_rx) = std::sync::mpsc::channel();
-            let (ack_tx, ack_rx) = std::sync::mpsc::channel();
-            let th = sender(kind, listener.address().to_owned(), cmd_rx, ack_tx);
-            let ep = w.accept(listener.as_mut()).await.unwrap();
+            let (ep, cmd_tx, ack_rx, th) = sender_peer(kind, &d, &w).await;
             let r = d.register(64, Access::empty()).unwrap();
             let mut buf = r.slice(0, 64).unwrap();
             // Phase 1: the hook delivers the round's message between the empty poll and
@@ -387,11 +403,7 @@ fn idle_cpu(kind: TransportKind, test: &str) {
     let (idle, wall, stats) = within(120, move || {
         current_thread().block_on(async move {
             let w = AsyncWorker::new(&d).unwrap();
-            let mut listener = d.listen().unwrap();
-            let (cmd_tx, cmd_rx) = std::sync::mpsc::channel();
-            let (ack_tx, _ack_rx) = std::sync::mpsc::channel();
-            let th = sender(kind, listener.address().to_owned(), cmd_rx, ack_tx);
-            let ep = w.accept(listener.as_mut()).await.unwrap();
+            let (ep, cmd_tx, _ack_rx, th) = sender_peer(kind, &d, &w).await;
             let r = d.register(64, Access::empty()).unwrap();
             let op = w.recv(ep, r.slice(0, 64).unwrap());
             let tx = cmd_tx.clone();
@@ -436,11 +448,7 @@ fn no_arm_while_recently_busy(kind: TransportKind, test: &str) {
         current_thread().block_on(async move {
             let opts = AsyncOptions::default().with_spin(Duration::from_secs(600));
             let w = AsyncWorker::with_options(&d, opts).unwrap();
-            let mut listener = d.listen().unwrap();
-            let (cmd_tx, cmd_rx) = std::sync::mpsc::channel();
-            let (ack_tx, _ack_rx) = std::sync::mpsc::channel();
-            let th = sender(kind, listener.address().to_owned(), cmd_rx, ack_tx);
-            let ep = w.accept(listener.as_mut()).await.unwrap();
+            let (ep, cmd_tx, _ack_rx, th) = sender_peer(kind, &d, &w).await;
             let r = d.register(64, Access::empty()).unwrap();
             for i in 0..3u64 {
                 let op = w.recv(ep, r.slice(0, 64).unwrap());
@@ -496,11 +504,7 @@ fn op_spin_completes_within_the_first_poll(kind: TransportKind, test: &str) {
             for spin in [Duration::ZERO, Duration::from_secs(60)] {
                 let opts = AsyncOptions::default().with_op_spin(spin);
                 let w = AsyncWorker::with_options(&d, opts).unwrap();
-                let mut listener = d.listen().unwrap();
-                let (cmd_tx, cmd_rx) = std::sync::mpsc::channel();
-                let (ack_tx, _ack_rx) = std::sync::mpsc::channel();
-                let th = sender(kind, listener.address().to_owned(), cmd_rx, ack_tx);
-                let ep = w.accept(listener.as_mut()).await.unwrap();
+                let (ep, cmd_tx, _ack_rx, th) = sender_peer(kind, &d, &w).await;
                 let r = d.register(64, Access::empty()).unwrap();
                 let mut op = std::pin::pin!(w.recv(ep, r.slice(0, 64).unwrap()));
                 let tx = cmd_tx.clone();
@@ -674,11 +678,7 @@ fn dropped_future(kind: TransportKind, test: &str) {
     let (freed_early, last, stats) = within(120, move || {
         current_thread().block_on(async move {
             let w = AsyncWorker::new(&d).unwrap();
-            let mut listener = d.listen().unwrap();
-            let (cmd_tx, cmd_rx) = std::sync::mpsc::channel();
-            let (ack_tx, ack_rx) = std::sync::mpsc::channel();
-            let th = sender(kind, listener.address().to_owned(), cmd_rx, ack_tx);
-            let ep = w.accept(listener.as_mut()).await.unwrap();
+            let (ep, cmd_tx, ack_rx, th) = sender_peer(kind, &d, &w).await;
             let freed = Arc::new(AtomicBool::new(false));
             let last = Arc::new(Mutex::new(Vec::new()));
             let region = d
