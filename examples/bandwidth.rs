@@ -10,11 +10,10 @@
 //! ```
 
 use std::io::IsTerminal;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use clap::Parser;
 use fabric::perf::{self, Initiator, Peer, PeerArgs};
-use fabric_core::Transport;
 use indicatif::{ProgressBar, ProgressDrawTarget};
 
 #[derive(Parser, Debug)]
@@ -42,7 +41,7 @@ struct Args {
 fn main() {
     let args = Args::parse();
     let max = args.max_size.max(args.min_size);
-    perf::main_with("bandwidth", &args.peer, max, |conn| measure(&args, conn));
+    perf::main_with("bandwidth", &args.peer, max, |peer| measure(&args, peer));
 }
 
 /// Single-thread memcpy bandwidth for `size`-byte copies into 16 rotating destinations
@@ -62,11 +61,18 @@ fn memcpy_bw(size: usize, iters: usize) -> f64 {
     (size * iters) as f64 / t0.elapsed().as_secs_f64() / (1 << 20) as f64
 }
 
-fn measure(args: &Args, conn: Box<dyn Transport>) -> Result<(), Box<dyn std::error::Error>> {
+fn measure(args: &Args, mut peer: Peer) -> Result<(), Box<dyn std::error::Error>> {
     let max = args.max_size.max(args.min_size);
-    let kind = conn.kind();
-    let caps = conn.capabilities();
-    let mut ini = Initiator::new(Peer::new(conn, Duration::from_secs(60)), max)?;
+    let engine = if peer.is_on_worker() {
+        "worker"
+    } else {
+        "transport"
+    };
+    let (kind, caps) = {
+        let conn = peer.conn()?;
+        (conn.kind(), conn.capabilities())
+    };
+    let mut ini = Initiator::new(peer, max)?;
     let sizes = perf::sizes(args.min_size, max);
     let modes: Vec<&str> = args.modes.iter().map(|s| s.trim()).collect();
     for m in &modes {
@@ -75,7 +81,7 @@ fn measure(args: &Args, conn: Box<dyn Transport>) -> Result<(), Box<dyn std::err
         }
     }
     println!(
-        "fabric bandwidth: transport {kind}, {} in flight, MiB/s (bisend: per direction); \
+        "fabric bandwidth: transport {kind} on the {engine}, {} in flight, MiB/s (bisend: per direction); \
          memcpy = one thread copying the same sizes in this run; best of {} trials",
         perf::WINDOW,
         args.trials.max(1)

@@ -14,7 +14,6 @@ use std::time::Duration;
 
 use clap::Parser;
 use fabric::perf::{self, Initiator, Peer, PeerArgs, Row};
-use fabric_core::Transport;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 #[derive(Parser, Debug)]
@@ -39,17 +38,24 @@ struct Args {
 fn main() {
     let args = Args::parse();
     let max = args.max_size.max(args.min_size);
-    perf::main_with("pingpong", &args.peer, max, |conn| measure(&args, conn));
+    perf::main_with("pingpong", &args.peer, max, |peer| measure(&args, peer));
 }
 
-fn measure(args: &Args, conn: Box<dyn Transport>) -> Result<(), Box<dyn std::error::Error>> {
+fn measure(args: &Args, mut peer: Peer) -> Result<(), Box<dyn std::error::Error>> {
     let max = args.max_size.max(args.min_size);
-    let kind = conn.kind();
-    let caps = conn.capabilities();
-    let mut ini = Initiator::new(Peer::new(conn, Duration::from_secs(60)), max)?;
+    let engine = if peer.is_on_worker() {
+        "worker"
+    } else {
+        "transport"
+    };
+    let (kind, caps) = {
+        let conn = peer.conn()?;
+        (conn.kind(), conn.capabilities())
+    };
+    let mut ini = Initiator::new(peer, max)?;
     let sizes = perf::sizes(args.min_size, max);
     println!(
-        "fabric pingpong: transport {kind} (in order: {}, one-sided: {}, atomics: {}); \
+        "fabric pingpong: transport {kind} on the {engine} (in order: {}, one-sided: {}, atomics: {}); \
          latency = half round trip, BW = streaming sends, {} in flight",
         caps.ordering == fabric_core::MessageOrdering::InOrder,
         caps.one_sided,

@@ -17,8 +17,8 @@
 use std::time::{Duration, Instant};
 
 use fabric_core::{
-    Access, AlignedBuf, Buf, Completion, Error, OpKind, Region, RemoteKey, Status, Transport,
-    TransportKind,
+    Access, AlignedBuf, Buf, Completion, EndpointId, Error, Event, OpKind, Region, RemoteKey,
+    Status, Transport, TransportKind, Worker,
 };
 
 /// The caller's own page-aligned memory, registered in place on `conn`'s domain; memory
@@ -119,21 +119,55 @@ fn err(s: impl Into<String>) -> Error {
 /// Set when this process was pinned to its own CPU (see [`Setup::pin`]).
 static PINNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
+/// How a [`Peer`] drives its connection.
+#[derive(Debug)]
+enum Link {
+    /// The bare [`Transport`]: its own `poll`, `wait`.
+    Bare(Box<dyn Transport>),
+    /// One endpoint of a [`Worker`] (the progress engine a library serving many peers
+    /// uses): every post, poll and wait goes through the worker.
+    Worker {
+        worker: Box<Worker>,
+        ep: EndpointId,
+        events: Vec<Event>,
+    },
+}
+
 /// A connection plus the completion slots to poll into.
 #[derive(Debug)]
 pub struct Peer {
-    /// The connection.
-    pub conn: Box<dyn Transport>,
+    link: Link,
     cq: Vec<Completion>,
     deadline: Duration,
     spin: Duration,
 }
 
 impl Peer {
-    /// Wraps a connection; `deadline` bounds any single wait for a completion.
+    /// Wraps a connection, driven directly; `deadline` bounds any single wait for a
+    /// completion.
     pub fn new(conn: Box<dyn Transport>, deadline: Duration) -> Self {
+        Self::with_link(Link::Bare(conn), deadline)
+    }
+
+    /// Wraps a connection as the one endpoint of a fresh [`Worker`] on its domain: every
+    /// post, poll and wait goes through the worker, as in a program that serves many peers.
+    ///
+    /// # Errors
+    /// The worker's own setup (its epoll fd).
+    pub fn on_worker(conn: Box<dyn Transport>, deadline: Duration) -> fabric_core::Result<Self> {
+        let mut worker = Box::new(Worker::new(conn.domain())?);
+        let ep = worker.add(conn)?;
+        let link = Link::Worker {
+            worker,
+            ep,
+            events: (0..1).map(|_| Event::default()).collect(),
+        };
+        Ok(Self::with_link(link, deadline))
+    }
+
+    fn with_link(link: Link, deadline: Duration) -> Self {
         Peer {
-            conn,
+            link,
             cq: (0..1).map(|_| Completion::default()).collect(),
             deadline,
             spin: if PINNED.load(std::sync::atomic::Ordering::Relaxed) {
@@ -141,6 +175,40 @@ impl Peer {
             } else {
                 Duration::from_micros(20)
             },
+        }
+    }
+
+    /// Whether a [`Worker`] drives the connection ([`on_worker`](Self::on_worker)).
+    pub fn is_on_worker(&self) -> bool {
+        matches!(self.link, Link::Worker { .. })
+    }
+
+    /// The connection, to register memory or post what the peer has no method for.
+    ///
+    /// # Errors
+    /// Only on a worker that lost the endpoint (never here).
+    pub fn conn(&mut self) -> fabric_core::Result<&mut dyn Transport> {
+        match &mut self.link {
+            Link::Bare(t) => Ok(t.as_mut()),
+            Link::Worker { worker, ep, .. } => worker.endpoint(*ep),
+        }
+    }
+
+    fn poll_one(&mut self) -> fabric_core::Result<Option<Completion>> {
+        match &mut self.link {
+            Link::Bare(t) => {
+                Ok((t.poll(&mut self.cq)? > 0).then(|| std::mem::take(&mut self.cq[0])))
+            }
+            Link::Worker { worker, events, .. } => {
+                Ok((worker.poll(events)? > 0).then(|| std::mem::take(&mut events[0].completion)))
+            }
+        }
+    }
+
+    fn wait(&mut self, timeout: Duration) -> fabric_core::Result<()> {
+        match &mut self.link {
+            Link::Bare(t) => t.wait(Some(timeout)),
+            Link::Worker { worker, .. } => worker.wait(Some(timeout)),
         }
     }
 
@@ -176,8 +244,7 @@ impl Peer {
         let mut spins = 0u32;
         let mut start: Option<Instant> = None;
         loop {
-            if self.conn.poll(&mut self.cq)? > 0 {
-                let c = std::mem::take(&mut self.cq[0]);
+            if let Some(c) = self.poll_one()? {
                 if c.status != Status::Success {
                     return Err(match c.status {
                         Status::PeerGone => {
@@ -205,16 +272,26 @@ impl Peer {
                 if waited > self.deadline {
                     return Err(Error::Timeout("completion"));
                 }
-                self.conn.wait(Some(Duration::from_millis(20)))?;
+                self.wait(Duration::from_millis(20))?;
             }
         }
     }
 
+    fn try_send(&mut self, buf: Buf, wr: u64) -> fabric_core::PostResult {
+        match &mut self.link {
+            Link::Bare(t) => t.post_send(buf, wr),
+            Link::Worker { worker, ep, .. } => worker.post_send(*ep, buf, wr),
+        }
+    }
     fn send(&mut self, buf: Buf, wr: u64) -> fabric_core::Result<()> {
-        self.conn.post_send(buf, wr).map_err(|e| e.error)
+        self.try_send(buf, wr).map_err(|e| e.error)
     }
     fn recv(&mut self, buf: Buf, wr: u64) -> fabric_core::Result<()> {
-        self.conn.post_recv(buf, wr).map_err(|e| e.error)
+        match &mut self.link {
+            Link::Bare(t) => t.post_recv(buf, wr),
+            Link::Worker { worker, ep, .. } => worker.post_recv(*ep, buf, wr),
+        }
+        .map_err(|e| e.error)
     }
 }
 
@@ -247,10 +324,10 @@ fn parse_ctrl(b: &[u8]) -> fabric_core::Result<(Mode, usize, usize)> {
 pub fn respond(peer: &mut Peer, max: usize) -> fabric_core::Result<()> {
     let slot = max.max(CTRL_LEN).max(RemoteKey::PACKED_LEN);
     // The echo goes out of the receive buffer: a send buffer (see the module docs).
-    let rx = send_buffer(peer.conn.as_mut(), slot * WINDOW)?;
-    let tx = send_buffer(peer.conn.as_mut(), slot)?;
+    let rx = send_buffer(peer.conn()?, slot * WINDOW)?;
+    let tx = send_buffer(peer.conn()?, slot)?;
     let target = buffer(
-        peer.conn.as_mut(),
+        peer.conn()?,
         max.max(8),
         Access::REMOTE_WRITE | Access::REMOTE_READ,
     )?;
@@ -400,10 +477,10 @@ impl Initiator {
     /// Transport failures or a peer breaking the protocol.
     pub fn new(mut peer: Peer, max: usize) -> fabric_core::Result<Self> {
         let slot = max.max(CTRL_LEN).max(RemoteKey::PACKED_LEN);
-        let rx = buffer(peer.conn.as_mut(), slot * WINDOW, Access::empty())?;
-        let tx = send_buffer(peer.conn.as_mut(), slot)?;
+        let rx = buffer(peer.conn()?, slot * WINDOW, Access::empty())?;
+        let tx = send_buffer(peer.conn()?, slot)?;
         tx.fill(0, slot, 0x5a)?;
-        let scratch = buffer(peer.conn.as_mut(), slot, Access::empty())?;
+        let scratch = buffer(peer.conn()?, slot, Access::empty())?;
         for i in 0..WINDOW {
             peer.recv(rx.slice(i * slot, slot)?, 0)?;
         }
@@ -426,9 +503,9 @@ impl Initiator {
         })
     }
 
-    /// The transport in use.
-    pub fn conn(&self) -> &dyn Transport {
-        self.peer.conn.as_ref()
+    /// The peer in use (its connection, and whether a worker drives it).
+    pub fn peer(&mut self) -> &mut Peer {
+        &mut self.peer
     }
 
     fn control(&mut self, mode: Mode, size: usize, iters: usize) -> fabric_core::Result<()> {
@@ -491,7 +568,7 @@ impl Initiator {
         let (mut sent, mut done, mut got, mut acked) = (0, 0, 0, false);
         while done < iters || (bi && got < iters) || !acked {
             while sent < iters && sent - done < WINDOW {
-                match self.peer.conn.post_send(self.tx.slice(0, size)?, 1) {
+                match self.peer.try_send(self.tx.slice(0, size)?, 1) {
                     Ok(()) => sent += 1,
                     Err(e) if e.is_would_block() => break,
                     Err(e) => return Err(e.error),
@@ -533,13 +610,11 @@ impl Initiator {
         while done < iters {
             while posted < iters && posted - done < WINDOW {
                 let r = if read {
-                    self.peer
-                        .conn
-                        .post_read(self.scratch.slice(0, size)?, &key, 0, 5)
+                    let b = self.scratch.slice(0, size)?;
+                    self.peer.conn()?.post_read(b, &key, 0, 5)
                 } else {
-                    self.peer
-                        .conn
-                        .post_write(self.tx.slice(0, size)?, &key, 0, 5)
+                    let b = self.tx.slice(0, size)?;
+                    self.peer.conn()?.post_write(b, &key, 0, 5)
                 };
                 match r {
                     Ok(()) => posted += 1,
@@ -623,6 +698,10 @@ pub struct PeerArgs {
     /// Do not pin this process and its spawned peer to two different CPUs.
     #[arg(long)]
     pub no_pin: bool,
+    /// Drive the connection through a `Worker` (the progress engine that serves many
+    /// peers: one poll, one fd) on both sides, instead of the bare `Transport`.
+    #[arg(long)]
+    pub worker: bool,
     /// Internal: run as the responder spawned by a no-argument run.
     #[arg(long, hide = true, value_name = "ADDRESS")]
     pub responder: Option<String>,
@@ -638,7 +717,7 @@ pub fn main_with(
     name: &'static str,
     peer: &PeerArgs,
     max: usize,
-    measure: impl FnOnce(Box<dyn Transport>) -> Result<(), Box<dyn std::error::Error>>,
+    measure: impl FnOnce(Peer) -> Result<(), Box<dyn std::error::Error>>,
 ) {
     let mut setup = Setup {
         name,
@@ -651,6 +730,7 @@ pub fn main_with(
         max,
         pin: !peer.no_pin,
         pin_cpu: peer.pin_cpu,
+        worker: peer.worker,
     };
     let r = apply_env(&mut setup)
         .map_err(Into::into)
@@ -685,6 +765,9 @@ pub struct Setup {
     pub pin: bool,
     /// The CPU the spawned peer pins itself to.
     pub pin_cpu: Option<usize>,
+    /// `--worker`: both sides drive their connection through a [`Worker`] (the spawned
+    /// peer is told so).
+    pub worker: bool,
 }
 
 /// The result of [`establish`].
@@ -785,6 +868,7 @@ pub fn establish(setup: &Setup) -> Result<Side, Box<dyn std::error::Error>> {
         .arg(listener.address())
         .arg("--max-size")
         .arg(setup.max.to_string())
+        .args(setup.worker.then_some("--worker"))
         .env_remove("FABRIC_TRANSPORT")
         .stdin(std::process::Stdio::null())
         .spawn()?;
@@ -806,20 +890,26 @@ pub fn establish(setup: &Setup) -> Result<Side, Box<dyn std::error::Error>> {
 }
 
 /// Runs `measure` as the initiator or serves as the responder; reaps a spawned child.
+/// Both get a [`Peer`] driven the way `setup.worker` says.
 ///
 /// # Errors
 /// Whatever `measure` or the responder returned, or a failed child.
 pub fn run_sides(
     setup: &Setup,
-    measure: impl FnOnce(Box<dyn Transport>) -> Result<(), Box<dyn std::error::Error>>,
+    measure: impl FnOnce(Peer) -> Result<(), Box<dyn std::error::Error>>,
 ) -> Result<(), Box<dyn std::error::Error>> {
+    let peer = |conn: Box<dyn Transport>| {
+        let deadline = Duration::from_secs(60);
+        if setup.worker {
+            Peer::on_worker(conn, deadline)
+        } else {
+            Ok(Peer::new(conn, deadline))
+        }
+    };
     match establish(setup)? {
-        Side::Responder(conn) => Ok(respond(
-            &mut Peer::new(conn, Duration::from_secs(60)),
-            setup.max,
-        )?),
+        Side::Responder(conn) => Ok(respond(&mut peer(conn)?, setup.max)?),
         Side::Initiator(conn, child) => {
-            let r = measure(conn);
+            let r = peer(conn).map_err(Into::into).and_then(measure);
             if let Some(mut child) = child {
                 if r.is_err() {
                     let _ = child.kill();

@@ -47,7 +47,10 @@ fn rows(out: &str) -> Vec<Vec<String>> {
 
 #[test]
 fn pingpong_main_job_over_shm_and_tcp() {
-    for (transport, expect) in [("", "transport shm"), ("tcp", "transport tcp")] {
+    for (transport, expect) in [
+        ("", "transport shm on the transport"),
+        ("tcp", "transport tcp on the transport"),
+    ] {
         let env: Vec<(&str, &str)> = if transport.is_empty() {
             vec![]
         } else {
@@ -137,10 +140,71 @@ fn pingpong_over_verbs_when_available() {
     ) else {
         return;
     };
-    assert!(out.contains("transport verbs"), "{out}");
+    assert!(out.contains("transport verbs on the transport"), "{out}");
     assert_eq!(
         rows(&out).last().map(|r| r[0].as_str()),
         Some("65536"),
         "{out}"
     );
+    // The same through a worker on both sides (the shared completion queue's path).
+    let Some(out) = run(
+        "pingpong",
+        &["--max-size", "4096", "--iters", "50", "--no-bw", "--worker"],
+        &[("FABRIC_TRANSPORT", "verbs")],
+    ) else {
+        return;
+    };
+    assert!(out.contains("transport verbs on the worker"), "{out}");
+    assert_eq!(
+        rows(&out).last().map(|r| r[0].as_str()),
+        Some("4096"),
+        "{out}"
+    );
+}
+
+/// `--worker`: both sides drive their connection through a `Worker` (one endpoint each);
+/// every figure comes out and every phase (echo, streams both ways, one-sided) completes.
+#[test]
+fn pingpong_and_bandwidth_on_a_worker() {
+    for transport in ["shm", "tcp"] {
+        let env = [("FABRIC_TRANSPORT", transport)];
+        let args = ["--max-size", "65536", "--iters", "200", "--worker"];
+        let Some(out) = run("pingpong", &args, &env) else {
+            return;
+        };
+        assert!(
+            out.contains(&format!("transport {transport} on the worker")),
+            "{out}"
+        );
+        let r = rows(&out);
+        assert_eq!(r.first().map(|r| r[0].as_str()), Some("8"), "{out}");
+        assert_eq!(r.last().map(|r| r[0].as_str()), Some("65536"), "{out}");
+        for row in &r {
+            let lat: f64 = row[2].parse().expect("latency figure");
+            let bw: f64 = row[4].parse().expect("bandwidth figure");
+            assert!(lat > 0.0 && bw > 0.0, "{row:?}");
+        }
+        let args = [
+            "--min-size",
+            "65536",
+            "--max-size",
+            "262144",
+            "--iters",
+            "50",
+            "--trials",
+            "1",
+            "--worker",
+        ];
+        let Some(out) = run("bandwidth", &args, &env) else {
+            return;
+        };
+        assert!(out.contains("on the worker"), "{out}");
+        let r = rows(&out);
+        assert_eq!(r.len(), 3, "{out}");
+        for row in &r {
+            for v in &row[1..6] {
+                assert!(v.parse::<f64>().expect("figure") > 0.0, "{row:?}");
+            }
+        }
+    }
 }
