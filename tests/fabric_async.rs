@@ -492,16 +492,19 @@ fn tcp_async_driver_spins_between_operations() {
 
 /// `AsyncOptions::op_spin`: an awaited operation busy-polls the worker itself for that long
 /// before it returns `Pending`. A message sent 20 ms after the await began completes within
-/// the first poll with a long `op_spin`, and not with none.
+/// the first poll with a long `op_spin`, and not with none; with a 2 ms `op_spin` and the
+/// message 200 ms later, the first poll spins at least 2 ms and then gives up (`Pending`).
 fn op_spin_completes_within_the_first_poll(kind: TransportKind, test: &str) {
     use std::future::Future;
     use std::task::Poll;
     let _g = serial();
     let Some(d) = open(kind, test) else { return };
+    let name = test.to_string();
     let firsts = within(120, move || {
         current_thread().block_on(async move {
             let mut firsts = Vec::new();
-            for spin in [Duration::ZERO, Duration::from_secs(60)] {
+            let ms = Duration::from_millis;
+            for (spin, delay) in [(ms(0), ms(20)), (ms(60_000), ms(20)), (ms(2), ms(200))] {
                 let opts = AsyncOptions::default().with_op_spin(spin);
                 let w = AsyncWorker::with_options(&d, opts).unwrap();
                 let (ep, cmd_tx, _ack_rx, th) = sender_peer(kind, &d, &w).await;
@@ -509,11 +512,17 @@ fn op_spin_completes_within_the_first_poll(kind: TransportKind, test: &str) {
                 let mut op = std::pin::pin!(w.recv(ep, r.slice(0, 64).unwrap()));
                 let tx = cmd_tx.clone();
                 let later = std::thread::spawn(move || {
-                    std::thread::sleep(Duration::from_millis(20));
+                    std::thread::sleep(delay);
                     tx.send(Cmd::Send(5)).unwrap();
                 });
+                let t0 = Instant::now();
                 let polled = std::future::poll_fn(|cx| Poll::Ready(op.as_mut().poll(cx))).await;
+                let first_poll = t0.elapsed();
                 let first = polled.is_ready();
+                assert!(
+                    first_poll >= spin.min(delay),
+                    "{name}: the first poll took {first_poll:?}, op_spin {spin:?}"
+                );
                 let (res, b) = match polled {
                     Poll::Ready(done) => done,
                     Poll::Pending => op.await,
@@ -528,8 +537,8 @@ fn op_spin_completes_within_the_first_poll(kind: TransportKind, test: &str) {
             firsts
         })
     });
-    println!("{test}: ready at the first poll without / with op_spin: {firsts:?}");
-    assert_eq!(firsts, [false, true], "{test}");
+    println!("{test}: ready at the first poll with op_spin 0 / 60 s / 2 ms: {firsts:?}");
+    assert_eq!(firsts, [false, true, false], "{test}");
 }
 
 #[test]

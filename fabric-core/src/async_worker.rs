@@ -246,6 +246,10 @@ fn add_locked(c: &AtomicU64, n: u64) {
 /// Completions an [`Op`] takes from the worker when it polls it itself.
 const INLINE_POLL: usize = 4;
 
+/// An [`Op`] spinning on the worker ([`AsyncOptions::op_spin`]) reads the clock once per
+/// this many polls.
+const CLOCK_EVERY: u32 = 16;
+
 /// One operation's place between its post and its future.
 enum Slot {
     Free,
@@ -332,10 +336,6 @@ struct Shared {
     driver: Mutex<Option<Waker>>,
     before_arm: Mutex<Option<Hook>>,
     stats: Counters,
-    /// When the last completion was dispatched (nanoseconds since `epoch`), by the driver
-    /// or by an [`Op`] that polled the worker itself: the driver's spin counts from it.
-    activity: AtomicU64,
-    epoch: Instant,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -427,18 +427,25 @@ impl Shared {
                 other => *slot = other,
             }
         }
+        // Also what the driver's spin watches (no clock read per completion: see
+        // `recently_busy`).
         add_locked(&self.stats.completions, n as u64);
-        self.activity
-            .store(self.epoch.elapsed().as_nanos() as u64, Ordering::Relaxed);
         Ok(n)
     }
 
     /// Whether a completion came (here or in an [`Op`]'s own poll) within the spin time.
-    fn recently_busy(&self, last_work: Instant) -> bool {
-        let now = self.epoch.elapsed();
-        let shared = Duration::from_nanos(self.activity.load(Ordering::Relaxed));
-        let local = last_work.saturating_duration_since(self.epoch);
-        now.saturating_sub(shared.max(local)) < self.opts.spin
+    /// Completions are noticed by their count (`seen`: the count at the driver's last
+    /// look), so that dispatching one costs no clock read; one that came since the last
+    /// look counts as now.
+    fn recently_busy(&self, seen: &mut u64, last_work: &mut Instant) -> bool {
+        let now = Instant::now();
+        let count = self.stats.completions.load(Ordering::Relaxed);
+        if count != *seen {
+            *seen = count;
+            *last_work = now;
+            return true;
+        }
+        now.saturating_duration_since(*last_work) < self.opts.spin
     }
 
     fn poll_wait(&self, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
@@ -469,6 +476,7 @@ async fn drive(shared: Arc<Shared>) {
         .collect();
     let mut wake = Vec::new();
     let mut last_work = Instant::now();
+    let mut seen = shared.stats.completions.load(Ordering::Relaxed);
     let mut busy_rounds = 0u32;
     loop {
         if shared.closed.load(Ordering::Acquire) {
@@ -498,7 +506,7 @@ async fn drive(shared: Arc<Shared>) {
         // the task a completion just woke has not run yet, and its next post (a ping-pong's
         // next receive and send) would otherwise find the driver armed and asleep, costing
         // an arm, a sleep and a kick per round trip (8x the blocking round trip on shm).
-        if shared.recently_busy(last_work) {
+        if shared.recently_busy(&mut seen, &mut last_work) {
             tokio::task::yield_now().await;
             continue;
         }
@@ -630,8 +638,6 @@ impl AsyncWorker {
             driver: Mutex::new(None),
             before_arm: Mutex::new(None),
             stats: Counters::default(),
-            activity: AtomicU64::new(0),
-            epoch: Instant::now(),
         });
         rt.spawn(drive(shared.clone()));
         Ok(AsyncWorker { shared })
@@ -936,21 +942,30 @@ impl Future for Op {
                 events = inline_events();
             }
             let mut k = 0;
-            let spin_until =
-                (!shared.opts.op_spin.is_zero()).then(|| Instant::now() + shared.opts.op_spin);
+            // The spin's deadline is read from the clock only once the first poll found
+            // nothing (a send's completion is usually there at once), and then every
+            // `CLOCK_EVERY` polls: a clock read costs as much as an empty poll.
+            let mut spin_until: Option<Instant> = None;
+            let mut rounds = 0u32;
             loop {
                 let room = INLINE_POLL - k;
                 let _ = shared.dispatch(&mut t, &mut events[..room], |w| {
                     woken[k] = Some(w);
                     k += 1;
                 });
-                let more = k < INLINE_POLL
-                    && matches!(t.get(wr_id), Some(Slot::Waiting(_)))
-                    && spin_until.is_some_and(|end| Instant::now() < end);
-                if !more {
+                let waiting = k < INLINE_POLL && matches!(t.get(wr_id), Some(Slot::Waiting(_)));
+                if !waiting || shared.opts.op_spin.is_zero() {
                     t.inline = events;
                     break;
                 }
+                if rounds.is_multiple_of(CLOCK_EVERY) {
+                    let now = Instant::now();
+                    if now >= *spin_until.get_or_insert(now + shared.opts.op_spin) {
+                        t.inline = events;
+                        break;
+                    }
+                }
+                rounds = rounds.wrapping_add(1);
                 // Posts from other threads get the worker between two polls.
                 drop(t);
                 std::hint::spin_loop();
