@@ -933,6 +933,8 @@ impl Future for Op {
         // found on the way are handed to their slots and their tasks woken (after the
         // unlock). A failing poll is left to the driver (it counts and retries).
         let mut woken: [Option<Waker>; INLINE_POLL] = Default::default();
+        // How many of `woken` are set (only those are looked at again).
+        let mut k = 0;
         let mut inline = false;
         if matches!(t.get(wr_id), Some(Slot::Waiting(_))) {
             // Taken out of the table while the table is borrowed by the poll; put back below.
@@ -941,7 +943,6 @@ impl Future for Op {
             if events.len() < INLINE_POLL {
                 events = inline_events();
             }
-            let mut k = 0;
             // The spin's deadline is read from the clock only once the first poll found
             // nothing (a send's completion is usually there at once), and then every
             // `CLOCK_EVERY` polls: a clock read costs as much as an empty poll.
@@ -1003,7 +1004,7 @@ impl Future for Op {
         if inline {
             shared.kick();
         }
-        for w in woken.into_iter().flatten() {
+        for w in woken[..k].iter_mut().filter_map(Option::take) {
             w.wake();
         }
         match out {
