@@ -60,14 +60,14 @@
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, Read, Write};
 use std::os::fd::{AsFd, BorrowedFd};
-use std::os::linux::net::SocketAddrExt;
-use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use nvlink_p2p as nv;
 use nvlink_p2p::DeviceMemory;
 
+use super::accept::{self, AcceptQueue, Connecting, Handshake};
 use super::{BackendEntry, Connector, Endpoint, Hal, Listener};
 use crate::domain::{Domain, DomainBackend, MemorySupport, Source};
 use crate::error::{DecodeError, Error, Result};
@@ -658,9 +658,28 @@ impl Mapped {
 /// its domain.
 #[derive(Debug)]
 pub struct CudaIpcListener {
-    sock: UnixListener,
+    queue: AcceptQueue<UnixListener, CudaHandshake>,
     address: String,
     domain: Domain,
+}
+
+/// The handshake of either side: none before the connection exists. [`finish`] checks the
+/// peer and sends the hello; the peer's hello is taken by the connection itself.
+#[derive(Debug)]
+struct CudaHandshake(UnixStream);
+
+impl Handshake<UnixStream> for CudaHandshake {
+    type Ctx = Domain;
+    type Output = Box<dyn Transport>;
+    fn start(stream: UnixStream, _: &Domain) -> Result<Self> {
+        Ok(CudaHandshake(stream))
+    }
+    fn step(&mut self, _: &Domain) -> Result<bool> {
+        Ok(true)
+    }
+    fn establish(self, domain: &Domain) -> Result<Box<dyn Transport>> {
+        finish(self.0, domain)
+    }
 }
 
 impl CudaIpcListener {
@@ -671,20 +690,9 @@ impl CudaIpcListener {
     /// socket cannot be bound.
     pub fn bind(domain: &Domain) -> Result<Self> {
         CudaIpcDomain::of(domain)?;
-        let mut rnd = [0u8; 8];
-        sys::random_bytes(&mut rnd)?;
-        let name = format!(
-            "fabric-cuda-{}-{:016x}",
-            std::process::id(),
-            u64::from_le_bytes(rnd)
-        );
-        let addr = SocketAddr::from_abstract_name(name.as_bytes())
-            .map_err(|e| Error::io("unix socket address", e))?;
-        let sock = UnixListener::bind_addr(&addr).map_err(|e| Error::io("bind(unix)", e))?;
-        sock.set_nonblocking(true)
-            .map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
+        let (sock, name) = accept::bind_abstract("cuda")?;
         Ok(CudaIpcListener {
-            sock,
+            queue: AcceptQueue::new(sock, domain.options().handshake_timeout),
             address: format!("cuda-ipc:@{name}"),
             domain: domain.clone(),
         })
@@ -699,26 +707,14 @@ impl Listener for CudaIpcListener {
         &self.address
     }
     fn accept(&mut self) -> Result<Option<Box<dyn Transport>>> {
-        loop {
-            match self.sock.accept() {
-                Ok((s, _)) => {
-                    // A stranger (other uid) or a failing setup is dropped; keep serving.
-                    if let Ok(t) = finish(s, &self.domain) {
-                        return Ok(Some(t));
-                    }
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(Error::io("accept(unix)", e)),
-            }
-        }
+        self.queue.accept(&self.domain)
     }
 }
 
 /// Connects to a [`CudaIpcListener`] (address without the `cuda-ipc:` prefix: `@name`).
 #[derive(Debug)]
 pub struct CudaIpcConnector {
-    stream: Option<UnixStream>,
+    conn: Connecting<UnixStream, CudaHandshake>,
     domain: Domain,
 }
 
@@ -730,14 +726,10 @@ impl CudaIpcConnector {
     /// [`Error::Io`] when the listener is not there.
     pub fn connect(address: &str, domain: &Domain) -> Result<Self> {
         CudaIpcDomain::of(domain)?;
-        let name = address.strip_prefix('@').ok_or_else(|| {
-            Error::InvalidArgument(format!("cuda-ipc address {address:?} must start with '@'"))
-        })?;
-        let addr = SocketAddr::from_abstract_name(name.as_bytes())
-            .map_err(|e| Error::io("unix socket address", e))?;
-        let stream = UnixStream::connect_addr(&addr).map_err(|e| Error::io("connect(unix)", e))?;
+        let stream = accept::connect_abstract(address, "cuda-ipc")?;
+        let timeout = domain.options().handshake_timeout;
         Ok(CudaIpcConnector {
-            stream: Some(stream),
+            conn: Connecting::connected(stream, domain, timeout, "cuda-ipc connect")?,
             domain: domain.clone(),
         })
     }
@@ -745,11 +737,7 @@ impl CudaIpcConnector {
 
 impl Connector for CudaIpcConnector {
     fn poll_connect(&mut self) -> Result<Option<Box<dyn Transport>>> {
-        let stream = self
-            .stream
-            .take()
-            .ok_or_else(|| Error::InvalidArgument("connector already finished".into()))?;
-        finish(stream, &self.domain).map(Some)
+        self.conn.poll(&self.domain)
     }
 }
 

@@ -19,6 +19,7 @@ use crate::transport::{
     Transport, TransportKind,
 };
 
+mod accept;
 #[cfg(feature = "cuda-ipc")]
 pub mod cuda_ipc;
 pub mod shm;

@@ -29,17 +29,15 @@
 //!   completes with [`Status::PeerGone`].
 #![allow(unsafe_code)]
 
-use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::os::linux::net::SocketAddrExt;
-use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
 
 use memmap2::MmapRaw;
 
-use super::{BackendEntry, Connector, Endpoint, Hal, Listener, Options};
+use super::accept::{self, AcceptQueue, Connecting, Handshake};
+use super::{BackendEntry, Connector, Endpoint, Hal, Listener};
 use crate::domain::{Domain, DomainBackend, MemorySupport, Source};
 use crate::error::{Error, Result};
 use crate::region::{check_range, Access, Memory, Region};
@@ -326,27 +324,22 @@ fn probe() -> Result<()> {
     })
 }
 
-fn would_block(e: &io::Error) -> bool {
-    e.kind() == io::ErrorKind::WouldBlock
-}
-
 /// A Unix-socket listener in the abstract namespace.
 #[derive(Debug)]
 pub struct ShmListener {
-    sock: UnixListener,
+    queue: AcceptQueue<UnixListener, Offer>,
     address: String,
-    opts: Options,
     domain: Domain,
-    pending: Vec<Handshake>,
-    uid: u32,
 }
 
+/// The listener's half of the handshake: the peer passed the uid check and was sent the
+/// channel and this side's eventfd with the hello; its answer (its eventfd) is awaited.
 #[derive(Debug)]
-struct Handshake {
+struct Offer {
     stream: UnixStream,
     chan: Arc<Channel>,
     efd: OwnedFd,
-    deadline: Instant,
+    peer_efd: Option<OwnedFd>,
 }
 
 /// The channel mapping: two ring headers, two sleeping flags, two data areas.
@@ -470,49 +463,62 @@ impl ShmListener {
     /// # Errors
     /// [`Error::Io`] when the socket cannot be bound.
     pub fn bind(domain: &Domain) -> Result<Self> {
-        let opts = domain.options();
-        let mut rnd = [0u8; 8];
-        sys::random_bytes(&mut rnd)?;
-        let name = format!(
-            "fabric-shm-{}-{:016x}",
-            std::process::id(),
-            u64::from_le_bytes(rnd)
-        );
-        let addr = SocketAddr::from_abstract_name(name.as_bytes())
-            .map_err(|e| Error::io("unix socket address", e))?;
-        let sock = UnixListener::bind_addr(&addr).map_err(|e| Error::io("bind(unix)", e))?;
-        sock.set_nonblocking(true)
-            .map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
-        let mut opts = opts.clone();
-        opts.ring_bytes = opts.ring_bytes.clamp(4096, MAX_RING).next_power_of_two();
+        let (sock, name) = accept::bind_abstract("shm")?;
         Ok(ShmListener {
-            sock,
+            queue: AcceptQueue::new(sock, domain.options().handshake_timeout),
             address: format!("shm:@{name}"),
-            opts,
             domain: domain.clone(),
-            pending: Vec::new(),
-            uid: sys::uid(),
         })
     }
+}
 
-    fn start(&mut self, stream: UnixStream) -> Result<()> {
+impl Handshake<UnixStream> for Offer {
+    type Ctx = Domain;
+    type Output = Box<dyn Transport>;
+    fn start(stream: UnixStream, domain: &Domain) -> Result<Self> {
         stream
             .set_nonblocking(true)
             .map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
+        // A stranger (other uid) is refused before it gets a channel.
         check_peer(&stream)?;
-        let chan = Arc::new(Channel::create(self.opts.ring_bytes)?);
+        let ring = domain
+            .options()
+            .ring_bytes
+            .clamp(4096, MAX_RING)
+            .next_power_of_two();
+        let chan = Arc::new(Channel::create(ring)?);
         let efd = sys::eventfd()?;
         let hello = hello_bytes(chan.cap);
         if !sys::send_with_fds(stream.as_fd(), &hello, &[chan._fd.as_fd(), efd.as_fd()])? {
             return Err(Error::Timeout("shm hello (socket full)"));
         }
-        self.pending.push(Handshake {
+        Ok(Offer {
             stream,
             chan,
             efd,
-            deadline: Instant::now() + self.opts.handshake_timeout,
-        });
-        Ok(())
+            peer_efd: None,
+        })
+    }
+    fn step(&mut self, _: &Domain) -> Result<bool> {
+        let mut b = [0u8; HELLO_LEN];
+        let Some((n, mut fds)) = sys::recv_with_fds(self.stream.as_fd(), &mut b)? else {
+            return Ok(false);
+        };
+        if n != HELLO_LEN || fds.len() != 1 {
+            return Err(Error::Protocol(format!(
+                "shm answer of {n} bytes with {} descriptors",
+                fds.len()
+            )));
+        }
+        decode_hello(&b)?;
+        self.peer_efd = fds.pop();
+        Ok(true)
+    }
+    fn establish(self, domain: &Domain) -> Result<Box<dyn Transport>> {
+        let peer_efd = self
+            .peer_efd
+            .ok_or_else(|| Error::Protocol("shm hello without its descriptor".into()))?;
+        finish(0, self.chan, self.stream, self.efd, peer_efd, domain)
     }
 }
 
@@ -524,53 +530,24 @@ impl Listener for ShmListener {
         &self.address
     }
     fn accept(&mut self) -> Result<Option<Box<dyn Transport>>> {
-        loop {
-            match self.sock.accept() {
-                Ok((s, _)) => {
-                    // A stranger (other uid) or a failing setup is dropped; keep serving.
-                    let _ = self.start(s);
-                }
-                Err(e) if would_block(&e) => break,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(Error::io("accept(unix)", e)),
-            }
-        }
-        let _ = self.uid;
-        let mut i = 0;
-        while i < self.pending.len() {
-            let h = &self.pending[i];
-            let mut b = [0u8; HELLO_LEN];
-            match sys::recv_with_fds(h.stream.as_fd(), &mut b) {
-                Ok(None) if Instant::now() < h.deadline => {
-                    i += 1;
-                    continue;
-                }
-                Ok(Some((n, mut fds)))
-                    if n == HELLO_LEN && fds.len() == 1 && decode_hello(&b).is_ok() =>
-                {
-                    let h = self.pending.swap_remove(i);
-                    let Some(peer_efd) = fds.pop() else {
-                        return Err(Error::Protocol("shm hello without its descriptor".into()));
-                    };
-                    let t = finish(0, h.chan, h.stream, h.efd, peer_efd, &self.domain)?;
-                    return Ok(Some(t));
-                }
-                _ => {
-                    // Timed out, hung up or spoke garbage: drop this peer only.
-                    self.pending.swap_remove(i);
-                }
-            }
-        }
-        Ok(None)
+        self.queue.accept(&self.domain)
     }
 }
 
 /// Connects to a [`ShmListener`] (address without the `shm:` prefix, e.g. `@name`).
 #[derive(Debug)]
 pub struct ShmConnector {
-    stream: UnixStream,
+    conn: Connecting<UnixStream, Answer>,
     domain: Domain,
-    deadline: Instant,
+}
+
+/// The connector's half of the handshake: takes the listener's hello (the channel and its
+/// eventfd), checks and maps the channel, and answers with this side's eventfd.
+#[derive(Debug)]
+struct Answer {
+    stream: UnixStream,
+    /// The mapped channel, this side's eventfd and the peer's, once answered.
+    done: Option<(Arc<Channel>, OwnedFd, OwnedFd)>,
 }
 
 impl ShmConnector {
@@ -580,33 +557,29 @@ impl ShmConnector {
     /// [`Error::InvalidArgument`] for a malformed address; [`Error::Io`] when the listener
     /// is not there; [`Error::PeerUid`] when it runs as another user.
     pub fn connect(address: &str, domain: &Domain) -> Result<Self> {
-        let opts = domain.options();
-        let name = address.strip_prefix('@').ok_or_else(|| {
-            Error::InvalidArgument(format!("shm address {address:?} must start with '@'"))
-        })?;
-        let addr = SocketAddr::from_abstract_name(name.as_bytes())
-            .map_err(|e| Error::io("unix socket address", e))?;
-        let stream = UnixStream::connect_addr(&addr).map_err(|e| Error::io("connect(unix)", e))?;
-        stream
-            .set_nonblocking(true)
-            .map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
-        check_peer(&stream)?;
+        let stream = accept::connect_abstract(address, "shm")?;
+        let timeout = domain.options().handshake_timeout;
         Ok(ShmConnector {
-            stream,
+            conn: Connecting::connected(stream, domain, timeout, "shm handshake")?,
             domain: domain.clone(),
-            deadline: Instant::now() + opts.handshake_timeout,
         })
     }
 }
 
-impl Connector for ShmConnector {
-    fn poll_connect(&mut self) -> Result<Option<Box<dyn Transport>>> {
+impl Handshake<UnixStream> for Answer {
+    type Ctx = Domain;
+    type Output = Box<dyn Transport>;
+    fn start(stream: UnixStream, _: &Domain) -> Result<Self> {
+        stream
+            .set_nonblocking(true)
+            .map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
+        check_peer(&stream)?;
+        Ok(Answer { stream, done: None })
+    }
+    fn step(&mut self, _: &Domain) -> Result<bool> {
         let mut b = [0u8; HELLO_LEN];
         let Some((n, mut fds)) = sys::recv_with_fds(self.stream.as_fd(), &mut b)? else {
-            if Instant::now() > self.deadline {
-                return Err(Error::Timeout("shm handshake"));
-            }
-            return Ok(None);
+            return Ok(false);
         };
         if n == 0 {
             return Err(Error::Disconnected(
@@ -645,8 +618,20 @@ impl Connector for ShmConnector {
         if !sys::send_with_fds(self.stream.as_fd(), &hello_bytes(0), &[efd.as_fd()])? {
             return Err(Error::Timeout("shm answer (socket full)"));
         }
-        let stream = self.stream.try_clone().map_err(|e| Error::io("dup", e))?;
-        Ok(Some(finish(1, chan, stream, efd, peer_efd, &self.domain)?))
+        self.done = Some((chan, efd, peer_efd));
+        Ok(true)
+    }
+    fn establish(self, domain: &Domain) -> Result<Box<dyn Transport>> {
+        let (chan, efd, peer_efd) = self
+            .done
+            .ok_or_else(|| Error::Protocol("shm handshake not finished".into()))?;
+        finish(1, chan, self.stream, efd, peer_efd, domain)
+    }
+}
+
+impl Connector for ShmConnector {
+    fn poll_connect(&mut self) -> Result<Option<Box<dyn Transport>>> {
+        self.conn.poll(&self.domain)
     }
 }
 

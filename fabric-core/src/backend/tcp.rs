@@ -10,10 +10,10 @@
 //! slot token, which the tracker validates (a forged or stale token is a protocol error).
 //!
 //! Connection setup: each side sends a 32-byte hello (magic, flags, nonce, decoded by the
-//! pure [`decode_hello`]). With [`Options::tcp_secret`] set (off by default; `pair` uses
-//! the bootstrap's secret) each side then proves the secret by answering the other's nonce
-//! (the bootstrap's challenge response, bound to its role); a peer without it, or with
-//! another, is dropped before it gets a connection.
+//! pure [`decode_hello`]). With [`Options::tcp_secret`](super::Options::tcp_secret) set
+//! (off by default; `pair` uses the bootstrap's secret) each side then proves the secret by
+//! answering the other's nonce (the bootstrap's challenge response, bound to its role); a
+//! peer without it, or with another, is dropped before it gets a connection.
 //!
 //! Backpressure: the owed-response queue is bounded; when it is full, or when a message
 //! arrives with no receive posted, the backend stops reading the socket and TCP flow
@@ -22,11 +22,11 @@
 
 use std::collections::VecDeque;
 use std::io;
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{TcpListener, TcpStream};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::time::Instant;
 
-use super::{BackendEntry, Connector, Endpoint, Hal, Listener, Options};
+use super::accept::{self, AcceptQueue, Connecting, Handshake};
+use super::{BackendEntry, Connector, Endpoint, Hal, Listener};
 use crate::bootstrap::auth;
 use crate::bootstrap::wire::{MAC_LEN, NONCE_LEN};
 use crate::domain::{Domain, DomainBackend, MemorySupport};
@@ -460,14 +460,35 @@ impl Hello {
     }
 }
 
+/// The handshake of either side (`ROLE` 0: the listener's, 1: the connector's).
+#[derive(Debug)]
+struct TcpHandshake<const ROLE: u32> {
+    s: TcpStream,
+    hello: Hello,
+}
+
+impl<const ROLE: u32> Handshake<TcpStream> for TcpHandshake<ROLE> {
+    type Ctx = Domain;
+    type Output = Box<dyn Transport>;
+    fn start(s: TcpStream, domain: &Domain) -> Result<Self> {
+        setup(&s)?;
+        let hello = Hello::new(domain.options().tcp_secret.clone(), ROLE)?;
+        Ok(TcpHandshake { s, hello })
+    }
+    fn step(&mut self, _: &Domain) -> Result<bool> {
+        self.hello.step(&self.s)
+    }
+    fn establish(self, domain: &Domain) -> Result<Box<dyn Transport>> {
+        finish(self.s, domain)
+    }
+}
+
 /// A TCP listener (binds `Options::tcp_bind`, loopback by default).
 #[derive(Debug)]
 pub struct TcpListenerT {
-    sock: TcpListener,
+    queue: AcceptQueue<TcpListener, TcpHandshake<0>>,
     address: String,
-    opts: Options,
     domain: Domain,
-    pending: Vec<(TcpStream, Hello, Instant)>,
 }
 
 impl TcpListenerT {
@@ -477,16 +498,11 @@ impl TcpListenerT {
     /// [`Error::Io`] when the address cannot be bound.
     pub fn bind(domain: &Domain) -> Result<Self> {
         let opts = domain.options();
-        let sock = TcpListener::bind(&opts.tcp_bind).map_err(|e| Error::io("bind(tcp)", e))?;
-        sock.set_nonblocking(true)
-            .map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
-        let a = sock.local_addr().map_err(|e| Error::io("getsockname", e))?;
+        let (sock, a) = accept::bind_tcp(&opts.tcp_bind)?;
         Ok(TcpListenerT {
-            sock,
+            queue: AcceptQueue::new(sock, opts.handshake_timeout),
             address: format!("tcp:{a}"),
-            opts: opts.clone(),
             domain: domain.clone(),
-            pending: Vec::new(),
         })
     }
 }
@@ -499,46 +515,14 @@ impl Listener for TcpListenerT {
         &self.address
     }
     fn accept(&mut self) -> Result<Option<Box<dyn Transport>>> {
-        loop {
-            match self.sock.accept() {
-                Ok((s, _)) => {
-                    if setup(&s).is_ok() {
-                        let end = Instant::now() + self.opts.handshake_timeout;
-                        let h = Hello::new(self.opts.tcp_secret.clone(), 0)?;
-                        self.pending.push((s, h, end));
-                    }
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(Error::io("accept(tcp)", e)),
-            }
-        }
-        let mut i = 0;
-        while i < self.pending.len() {
-            let (s, h, end) = &mut self.pending[i];
-            match h.step(s) {
-                Ok(true) => {
-                    let (s, ..) = self.pending.swap_remove(i);
-                    return Ok(Some(finish(s, &self.domain)?));
-                }
-                Ok(false) if Instant::now() < *end => i += 1,
-                _ => {
-                    // Garbage, hang-up or too slow: drop this one, keep serving.
-                    self.pending.swap_remove(i);
-                }
-            }
-        }
-        Ok(None)
+        self.queue.accept(&self.domain)
     }
 }
 
 /// Connects to a [`TcpListenerT`] (address `HOST:PORT` without the `tcp:` prefix).
 #[derive(Debug)]
 pub struct TcpConnector {
-    s: TcpStream,
-    connected: bool,
-    hello: Hello,
-    end: Instant,
+    conn: Connecting<TcpStream, TcpHandshake<1>>,
     domain: Domain,
 }
 
@@ -548,20 +532,10 @@ impl TcpConnector {
     /// # Errors
     /// [`Error::InvalidArgument`] for an address that does not resolve; [`Error::Io`].
     pub fn connect(address: &str, domain: &Domain) -> Result<Self> {
-        let opts = domain.options();
-        let addr: SocketAddr = address
-            .to_socket_addrs()
-            .map_err(|e| Error::InvalidArgument(format!("tcp address {address:?}: {e}")))?
-            .next()
-            .ok_or_else(|| {
-                Error::InvalidArgument(format!("tcp address {address:?} resolves to nothing"))
-            })?;
-        let s = sys::tcp_connect_start(addr)?;
+        let s = accept::dial_tcp(address, "tcp")?;
+        let timeout = domain.options().handshake_timeout;
         Ok(TcpConnector {
-            s,
-            connected: false,
-            hello: Hello::new(opts.tcp_secret.clone(), 1)?,
-            end: Instant::now() + opts.handshake_timeout,
+            conn: Connecting::dial(s, timeout, ["tcp connect"; 2]),
             domain: domain.clone(),
         })
     }
@@ -569,21 +543,7 @@ impl TcpConnector {
 
 impl Connector for TcpConnector {
     fn poll_connect(&mut self) -> Result<Option<Box<dyn Transport>>> {
-        if Instant::now() > self.end {
-            return Err(Error::Timeout("tcp connect"));
-        }
-        if !self.connected {
-            if !sys::connect_finished(&self.s)? {
-                return Ok(None);
-            }
-            self.connected = true;
-            setup(&self.s)?;
-        }
-        if !self.hello.step(&self.s)? {
-            return Ok(None);
-        }
-        let s = self.s.try_clone().map_err(|e| Error::io("dup", e))?;
-        Ok(Some(finish(s, &self.domain)?))
+        self.conn.poll(&self.domain)
     }
 }
 

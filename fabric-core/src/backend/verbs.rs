@@ -47,13 +47,14 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::io;
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{TcpListener, TcpStream};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Instant;
 
 use ibverbs_safe as ib;
 
+use super::accept::{self, AcceptQueue, Connecting, Handshake};
 use super::{
     next_conn_id, BackendEntry, Connector, Endpoint, Hal, Listener, Options, SharedCompletions,
 };
@@ -898,18 +899,21 @@ fn exchange(
     decode_hello(got).map(Some)
 }
 
+/// The handshake of either side: the queue pair is prepared at the start, hellos cross the
+/// TCP side channel, then the queue pair is connected to the peer's.
 struct Pending {
     s: TcpStream,
-    prepared: Option<Prepared>,
+    prepared: Prepared,
     mine: [u8; HELLO_LEN],
     sent: bool,
     got: Vec<u8>,
-    end: Instant,
+    peer: Option<ib::Endpoint>,
 }
 
-impl Pending {
-    fn new(s: TcpStream, domain: &Domain) -> Result<Self> {
-        let opts = domain.options();
+impl Handshake<TcpStream> for Pending {
+    type Ctx = Domain;
+    type Output = Box<dyn Transport>;
+    fn start(s: TcpStream, domain: &Domain) -> Result<Self> {
         s.set_nonblocking(true)
             .map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
         let _ = s.set_nodelay(true);
@@ -917,22 +921,24 @@ impl Pending {
         let mine = hello(&prepared.qp.endpoint(), prepared.eager);
         Ok(Pending {
             s,
-            prepared: Some(prepared),
+            prepared,
             mine,
             sent: false,
             got: Vec::new(),
-            end: Instant::now() + opts.handshake_timeout,
+            peer: None,
         })
     }
 
-    fn step(&mut self, domain: &Domain) -> Result<Option<Box<dyn Transport>>> {
-        let Some(peer) = exchange(&self.s, &self.mine, &mut self.sent, &mut self.got)? else {
-            if Instant::now() > self.end {
-                return Err(Error::Timeout("verbs handshake"));
-            }
-            return Ok(None);
-        };
-        let p = self.prepared.take().expect("prepared once");
+    fn step(&mut self, _: &Domain) -> Result<bool> {
+        self.peer = exchange(&self.s, &self.mine, &mut self.sent, &mut self.got)?;
+        Ok(self.peer.is_some())
+    }
+
+    fn establish(self, domain: &Domain) -> Result<Box<dyn Transport>> {
+        let peer = self
+            .peer
+            .ok_or_else(|| Error::Protocol("verbs hello not finished".into()))?;
+        let p = self.prepared;
         let theirs = hello_eager(&self.got);
         if theirs != p.eager as u64 {
             return Err(Error::Protocol(format!(
@@ -951,23 +957,21 @@ impl Pending {
         let qp = qp
             .connect(&peer)
             .map_err(|e| Error::Protocol(format!("connecting the queue pair: {e}")))?;
-        let s = self.s.try_clone().map_err(|e| Error::io("dup", e))?;
         let setup = Setup {
             seat,
             pd,
             depth,
             eager,
         };
-        finish(qp, setup, s, domain).map(Some)
+        finish(qp, setup, self.s, domain)
     }
 }
 
 /// Listens on a TCP side channel (binds `Options::tcp_bind`).
 pub struct VerbsListener {
-    sock: TcpListener,
+    queue: AcceptQueue<TcpListener, Pending>,
     address: String,
     domain: Domain,
-    pending: Vec<Pending>,
 }
 
 impl std::fmt::Debug for VerbsListener {
@@ -985,15 +989,11 @@ impl VerbsListener {
     /// [`Error::Unavailable`] without an active RDMA port; [`Error::Io`] for the socket.
     pub fn bind(domain: &Domain) -> Result<Self> {
         let opts = domain.options();
-        let sock = TcpListener::bind(&opts.tcp_bind).map_err(|e| Error::io("bind(tcp)", e))?;
-        sock.set_nonblocking(true)
-            .map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
-        let a = sock.local_addr().map_err(|e| Error::io("getsockname", e))?;
+        let (sock, a) = accept::bind_tcp(&opts.tcp_bind)?;
         Ok(VerbsListener {
-            sock,
+            queue: AcceptQueue::new(sock, opts.handshake_timeout),
             address: format!("verbs:{a}"),
             domain: domain.clone(),
-            pending: Vec::new(),
         })
     }
 }
@@ -1006,49 +1006,20 @@ impl Listener for VerbsListener {
         &self.address
     }
     fn accept(&mut self) -> Result<Option<Box<dyn Transport>>> {
-        loop {
-            match self.sock.accept() {
-                Ok((s, _)) => {
-                    if let Ok(p) = Pending::new(s, &self.domain) {
-                        self.pending.push(p);
-                    }
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(Error::io("accept(tcp)", e)),
-            }
-        }
-        let mut i = 0;
-        while i < self.pending.len() {
-            match self.pending[i].step(&self.domain) {
-                Ok(Some(t)) => {
-                    self.pending.swap_remove(i);
-                    return Ok(Some(t));
-                }
-                Ok(None) => i += 1,
-                Err(_) => {
-                    // A stranger or a failed handshake: drop it, keep serving.
-                    self.pending.swap_remove(i);
-                }
-            }
-        }
-        Ok(None)
+        self.queue.accept(&self.domain)
     }
 }
 
 /// Connects to a [`VerbsListener`] (`HOST:PORT` of its side channel).
 pub struct VerbsConnector {
-    s: TcpStream,
-    connected: bool,
-    pending: Option<Pending>,
+    conn: Connecting<TcpStream, Pending>,
     domain: Domain,
-    end: Instant,
 }
 
 impl std::fmt::Debug for VerbsConnector {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("VerbsConnector")
-            .field("connected", &self.connected)
+            .field("conn", &self.conn)
             .finish()
     }
 }
@@ -1059,41 +1030,18 @@ impl VerbsConnector {
     /// # Errors
     /// [`Error::Unavailable`] without an active RDMA port; address and socket errors.
     pub fn connect(address: &str, domain: &Domain) -> Result<Self> {
-        let opts = domain.options();
-        let addr: SocketAddr = address
-            .to_socket_addrs()
-            .map_err(|e| Error::InvalidArgument(format!("verbs address {address:?}: {e}")))?
-            .next()
-            .ok_or_else(|| {
-                Error::InvalidArgument(format!("verbs address {address:?} resolves to nothing"))
-            })?;
+        let s = accept::dial_tcp(address, "verbs")?;
+        let timeout = domain.options().handshake_timeout;
         Ok(VerbsConnector {
-            s: sys::tcp_connect_start(addr)?,
-            connected: false,
-            pending: None,
+            conn: Connecting::dial(s, timeout, ["verbs connect", "verbs handshake"]),
             domain: domain.clone(),
-            end: Instant::now() + opts.handshake_timeout,
         })
     }
 }
 
 impl Connector for VerbsConnector {
     fn poll_connect(&mut self) -> Result<Option<Box<dyn Transport>>> {
-        if !self.connected {
-            if Instant::now() > self.end {
-                return Err(Error::Timeout("verbs connect"));
-            }
-            if !sys::connect_finished(&self.s)? {
-                return Ok(None);
-            }
-            self.connected = true;
-            let s = self.s.try_clone().map_err(|e| Error::io("dup", e))?;
-            self.pending = Some(Pending::new(s, &self.domain)?);
-        }
-        match self.pending.as_mut() {
-            Some(p) => p.step(&self.domain),
-            None => Err(Error::Protocol("verbs connector reused".into())),
-        }
+        self.conn.poll(&self.domain)
     }
 }
 
