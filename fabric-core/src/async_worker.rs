@@ -389,14 +389,17 @@ impl Shared {
     /// One poll of the worker; completions go to their slots, wakers into `wake`.
     fn progress(&self, events: &mut [Event], wake: &mut Vec<Waker>) -> Result<usize> {
         let mut t = lock(&self.table);
-        self.dispatch(&mut t, events, |w| wake.push(w))
+        self.dispatch(&mut t, events, None, |w| wake.push(w))
     }
 
-    /// Polls the (locked) worker into `events` and hands each completion to its slot.
+    /// Polls the (locked) worker into `events` and hands each completion to its slot. With
+    /// `mine` (an [`Op`] polling for itself), that operation's own completion goes straight
+    /// to `mine.1` and its slot is released at once (it never sits in the table).
     fn dispatch(
         &self,
         t: &mut Table,
         events: &mut [Event],
+        mut mine: Option<(u64, &mut Option<Completion>)>,
         mut wake: impl FnMut(Waker),
     ) -> Result<usize> {
         let n = t.worker.poll(events)?;
@@ -406,6 +409,14 @@ impl Shared {
         for ev in &mut events[..n] {
             let c = std::mem::take(&mut ev.completion);
             let wr_id = c.wr_id;
+            if let Some((id, found)) = mine.as_mut() {
+                if *id == wr_id && matches!(t.get(wr_id), Some(Slot::Waiting(_))) {
+                    t.pending -= 1;
+                    t.release(wr_id);
+                    **found = Some(c);
+                    continue;
+                }
+            }
             let Some(slot) = t.get(wr_id) else {
                 // Not ours (cannot happen: every post goes through a slot); drop it.
                 continue;
@@ -784,7 +795,7 @@ impl AsyncWorker {
                 Op {
                     shared: None,
                     wr_id: 0,
-                    refused: Some((e.error, e.buf)),
+                    refused: Some(Box::new((e.error, e.buf))),
                 }
             }
         }
@@ -896,7 +907,9 @@ fn finish(c: Completion) -> BufResult<Done> {
 pub struct Op {
     shared: Option<Arc<Shared>>,
     wr_id: u64,
-    refused: Option<(Error, Buf)>,
+    /// A refused post's error and buffer (boxed: the posted case, the hot one, moves a
+    /// small `Op`).
+    refused: Option<Box<(Error, Buf)>>,
 }
 
 impl fmt::Debug for Op {
@@ -922,7 +935,8 @@ impl Future for Op {
     /// When polled again after it returned `Ready`.
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
-        if let Some((e, b)) = this.refused.take() {
+        if let Some(r) = this.refused.take() {
+            let (e, b) = *r;
             return Poll::Ready((Err(e), b));
         }
         let shared = this.shared.as_ref().expect("Op polled after it completed");
@@ -936,6 +950,8 @@ impl Future for Op {
         // How many of `woken` are set (only those are looked at again).
         let mut k = 0;
         let mut inline = false;
+        // This operation's completion when this poll took it from the worker itself.
+        let mut found: Option<Completion> = None;
         if matches!(t.get(wr_id), Some(Slot::Waiting(_))) {
             // Taken out of the table while the table is borrowed by the poll; put back below.
             // (Another thread's Op may hold them while this one spins: then a fresh set.)
@@ -950,11 +966,18 @@ impl Future for Op {
             let mut rounds = 0u32;
             loop {
                 let room = INLINE_POLL - k;
-                let _ = shared.dispatch(&mut t, &mut events[..room], |w| {
-                    woken[k] = Some(w);
-                    k += 1;
-                });
-                let waiting = k < INLINE_POLL && matches!(t.get(wr_id), Some(Slot::Waiting(_)));
+                let _ = shared.dispatch(
+                    &mut t,
+                    &mut events[..room],
+                    Some((wr_id, &mut found)),
+                    |w| {
+                        woken[k] = Some(w);
+                        k += 1;
+                    },
+                );
+                let waiting = found.is_none()
+                    && k < INLINE_POLL
+                    && matches!(t.get(wr_id), Some(Slot::Waiting(_)));
                 if !waiting || shared.opts.op_spin.is_zero() {
                     t.inline = events;
                     break;
@@ -977,27 +1000,33 @@ impl Future for Op {
             // sleeps, or work arriving there would wake nobody.
             inline = true;
         }
-        let Some(slot) = t.get(wr_id) else {
-            unreachable!("an Op's slot stays claimed until the Op takes or drops it")
-        };
         let mut last = false;
-        let out = match slot {
-            Slot::Done(_) => {
-                let Slot::Done(c) = std::mem::replace(slot, Slot::Free) else {
-                    unreachable!()
-                };
-                t.release(wr_id);
-                last = shared.op_finished(&mut t);
-                Some(c)
-            }
-            Slot::Waiting(w) => {
-                if !w.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
-                    *w = Some(cx.waker().clone());
-                }
-                None
-            }
-            Slot::Free | Slot::Abandoned => {
+        let out = if found.is_some() {
+            // Its slot went back already (in `dispatch`).
+            last = shared.op_finished(&mut t);
+            found
+        } else {
+            let Some(slot) = t.get(wr_id) else {
                 unreachable!("an Op's slot stays claimed until the Op takes or drops it")
+            };
+            match slot {
+                Slot::Done(_) => {
+                    let Slot::Done(c) = std::mem::replace(slot, Slot::Free) else {
+                        unreachable!()
+                    };
+                    t.release(wr_id);
+                    last = shared.op_finished(&mut t);
+                    Some(c)
+                }
+                Slot::Waiting(w) => {
+                    if !w.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+                        *w = Some(cx.waker().clone());
+                    }
+                    None
+                }
+                Slot::Free | Slot::Abandoned => {
+                    unreachable!("an Op's slot stays claimed until the Op takes or drops it")
+                }
             }
         };
         drop(t);
