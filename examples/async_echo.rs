@@ -382,9 +382,13 @@ async fn async_pings(t: Box<dyn Transport>, args: &Args) -> Res<(f64, AsyncWorke
             t0 = Instant::now();
         }
         let recv = w.recv(ep, rx);
-        let (res, t) = w.send(ep, tx).await;
-        res?;
+        let send = w.send(ep, tx);
+        // The reply first: the poll that finds it also collects the send's completion,
+        // which the send's await then only picks up (awaiting the send first would poll
+        // the worker once more per round trip).
         let (res, b) = recv.await;
+        res?;
+        let (res, t) = send.await;
         res?;
         (tx, rx) = (t, b);
     }
@@ -406,7 +410,7 @@ fn latency_peer(args: &Args, addr: &str) -> Res<()> {
         Ok(backend::connect_timeout(c.as_mut(), DEADLINE)?)
     };
     let mut b = connect(&domain)?;
-    let r = domain.register(4 * SLOT, Access::empty())?;
+    let r = domain.register(5 * SLOT, Access::empty())?;
     // a receive is always posted before the peer can send (verbs RC needs that)
     b.post_recv(r.slice(0, SLOT)?, 0).map_err(|e| e.error)?;
     let a = connect(&domain)?;
@@ -458,20 +462,27 @@ fn latency_peer(args: &Args, addr: &str) -> Res<()> {
     }
     // async echo until the 1-byte goodbye
     rt.block_on(async {
+        // Each echo's send is collected after the next message came (the poll that found
+        // the message found its completion too), not awaited before the next receive.
         let mut next = first;
-        let mut other = r.slice(3 * SLOT, SLOT)?;
+        let mut free = vec![r.slice(3 * SLOT, SLOT)?, r.slice(4 * SLOT, SLOT)?];
+        let mut echo: Option<fabric_core::async_worker::Op> = None;
         loop {
             let (res, mut got) = next.await;
             let d = res?;
+            if let Some(e) = echo.take() {
+                let (res, mut sent) = e.await;
+                res?;
+                sent.set_len(SLOT)?;
+                free.push(sent);
+            }
             if d.len == 1 {
                 break;
             }
-            next = w.recv(ep, other); // posted before the echo
+            // posted before the echo
+            next = w.recv(ep, free.pop().ok_or("no free receive buffer")?);
             got.set_len(d.len)?;
-            let (res, mut sent) = w.send(ep, got).await;
-            res?;
-            sent.set_len(SLOT)?;
-            other = sent;
+            echo = Some(w.send(ep, got));
         }
         Ok::<_, Box<dyn std::error::Error>>(())
     })?;
