@@ -4,9 +4,12 @@
 //! A worker belongs to a [`Domain`] and holds any number of its connections
 //! ([`Transport`]s), each named by an [`EndpointId`]. [`Worker::poll`] moves finished
 //! operations of all of them into one caller slice as [`Event`]s that say which endpoint
-//! each completion belongs to; [`Worker::wait_fd`] is one epoll fd (owned by the worker,
-//! watching every endpoint's own [`wait_fd`](Transport::wait_fd)) that wakes the caller, with
-//! [`Worker::arm`] following the trait's protocol.
+//! each completion belongs to; [`Worker::wait_fd`] is one epoll fd (owned by the worker)
+//! that wakes the caller, with [`Worker::arm`] following the trait's protocol. The epoll
+//! watches each endpoint's underlying fds directly — shm: its eventfd and Unix socket; tcp:
+//! its socket — not the endpoint's own [`wait_fd`](Transport::wait_fd), so an endpoint in a
+//! worker never makes an epoll of its own (shm holds 3 fds per endpoint, tcp 1; see
+//! `tests/fabric_worker.rs`).
 //!
 //! ```no_run
 //! use fabric_core::backend::Options;
@@ -61,16 +64,19 @@
 //!   reached through [`endpoint`](Worker::endpoint) / [`post_send`](Worker::post_send) /
 //!   [`post_recv`](Worker::post_recv), and one whose fd fired are active.
 //! * **parked** — its own [`arm`](Transport::arm) returned `true`, so by the trait's contract
-//!   its `wait_fd` becomes readable when it may have work, and the worker's epoll watches that
-//!   fd (`EPOLLONESHOT`, re-enabled after the arm). `poll` does not touch it; it comes back to
-//!   the active queue when `epoll_wait` reports it. This is how an idle endpoint with a
-//!   posted receive is found: shm's peer signals its eventfd when it publishes a record to a
-//!   side that armed, tcp's socket becomes readable; verbs endpoints share their domain's
-//!   completion queue, which the worker watches once (its channel and eventfd), and the
-//!   queue names the endpoints that got work (an endpoint's own fd, its side socket, only
-//!   tells of a hang-up). A peer that dies hangs up the endpoint's socket, which the
-//!   epoll also watches. An active
-//!   endpoint that gave no completion for [`PARK_AFTER`] polls is armed and parked by `poll`
+//!   its `wait_fd` becomes readable when it may have work — that is, one of the fds that
+//!   `wait_fd` gathers becomes ready — and the worker's epoll watches those fds (one or two
+//!   per endpoint, each `EPOLLONESHOT` and re-enabled after every arm, for writability too
+//!   where the arm asked for it: tcp output waiting for room; all carry the endpoint's id,
+//!   so an event on any of them makes the endpoint active). `poll` does not touch it; it
+//!   comes back to the active queue when `epoll_wait` reports it. This is how an idle
+//!   endpoint with a posted receive is found: shm's peer signals its eventfd when it
+//!   publishes a record to a side that armed, tcp's socket becomes readable; verbs
+//!   endpoints share their domain's completion queue, which the worker watches once (its
+//!   channel and eventfd), and the queue names the endpoints that got work (an endpoint's
+//!   own fd, its side socket, only tells of a hang-up). A peer that dies hangs up the
+//!   endpoint's socket, which the epoll also watches. An active endpoint that gave no
+//!   completion for [`PARK_AFTER`] polls is armed and parked by `poll`
 //!   itself; [`Worker::arm`] parks every active endpoint at once.
 //! * **dormant** — its `arm` returned `false` ("there is work") although nothing of the
 //!   caller's is in flight on it: the connection failed (everything it had completed with an
@@ -87,9 +93,14 @@
 //! # No lost wake-up
 //!
 //! [`Worker::arm`] arms every active endpoint (each [`Transport::arm`] promises that work
-//! arriving afterwards makes its fd readable) and only then re-enables the endpoint's
-//! registration in the worker's epoll; `epoll_ctl` checks the fd's readiness at that moment,
-//! so work that arrived between the endpoint's arm and the registration is not missed. An
+//! arriving afterwards makes its `wait_fd` readable, which happens exactly when one of the
+//! fds it gathers becomes ready) and only then re-enables the registration of every one of
+//! those fds in the worker's epoll, with the interest that arm chose; `epoll_ctl` checks
+//! each fd's readiness at that moment, so work that arrived between the endpoint's arm and
+//! the registration is not missed, whichever of its fds it readied. So every fd of a parked
+//! endpoint is enabled from the moment it parked; the first event on any of them makes it
+//! active (one that fires on another of its fds while it is active changes nothing: the
+//! endpoint is polled, and armed and re-enabled in full before it parks again). An
 //! endpoint that reports work keeps the worker awake (`arm` returns `false`).
 //!
 //! # Limits
@@ -103,8 +114,9 @@
 //!   wakes the worker on every wait, as it would a lone [`Transport::wait`]. shm endpoints
 //!   go dormant instead, and tcp buffers a waiting message (tested in
 //!   `tests/fabric_worker.rs`); verbs makes the sender retry (receiver not ready).
-//! * The worker relies on each endpoint's `wait_fd` staying the same fd for the
-//!   connection's life (true of every backend here).
+//! * The worker relies on the fds an endpoint has it watch staying the same fds for the
+//!   connection's life (true of every backend here; only tcp's interest in writability
+//!   changes, and the worker reads it again after every arm).
 #![allow(unsafe_code)]
 
 use std::cmp::Reverse;
@@ -205,7 +217,7 @@ impl Default for Event {
 enum State {
     /// In the round-robin queue.
     Active,
-    /// Armed; its fd is watched by the worker's epoll.
+    /// Armed; its fds are watched by the worker's epoll.
     Parked,
     /// Nothing in flight and nothing to wait for; woken by the caller's next post.
     Dormant,
@@ -263,8 +275,55 @@ impl fmt::Debug for Worker {
     }
 }
 
-fn epoll_ctl(ep: BorrowedFd<'_>, op: libc::c_int, fd: BorrowedFd<'_>, data: u64) -> Result<()> {
-    epoll_ctl_with(ep, op, fd, data, libc::EPOLLIN | libc::EPOLLONESHOT)
+/// The events an endpoint's fd is watched for: readability (and hang-up), writability where
+/// the endpoint asks for it, once until re-enabled.
+fn endpoint_events(out: bool) -> libc::c_int {
+    libc::EPOLLIN | libc::EPOLLONESHOT | if out { libc::EPOLLOUT } else { 0 }
+}
+
+/// Adds every fd of an endpoint ([`Transport::watch_fds`]) to the epoll, each with the
+/// endpoint's id as its token; on failure none stays.
+fn watch(ep: BorrowedFd<'_>, t: &dyn Transport, id: EndpointId) -> Result<()> {
+    let w = t.watch_fds();
+    for (k, &(fd, out)) in w.as_slice().iter().enumerate() {
+        let data = u64::from(id.raw());
+        if let Err(e) = epoll_ctl_with(ep, libc::EPOLL_CTL_ADD, fd, data, endpoint_events(out)) {
+            for &(added, _) in &w.as_slice()[..k] {
+                let _ = epoll_ctl_with(ep, libc::EPOLL_CTL_DEL, added, 0, 0);
+            }
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
+/// Re-enables every fd of an armed endpoint (`EPOLLONESHOT`: the kernel checks each fd's
+/// readiness now, so work that came after the arm is reported).
+fn rewatch(ep: BorrowedFd<'_>, t: &dyn Transport, id: EndpointId) -> Result<()> {
+    for &(fd, out) in t.watch_fds().as_slice() {
+        epoll_ctl_with(
+            ep,
+            libc::EPOLL_CTL_MOD,
+            fd,
+            u64::from(id.raw()),
+            endpoint_events(out),
+        )?;
+    }
+    Ok(())
+}
+
+/// Takes every fd of an endpoint out of the epoll (all are tried; the first error is
+/// returned).
+fn unwatch(ep: BorrowedFd<'_>, t: &dyn Transport) -> Result<()> {
+    let mut first = Ok(());
+    for &(fd, _) in t.watch_fds().as_slice() {
+        if let Err(e) = epoll_ctl_with(ep, libc::EPOLL_CTL_DEL, fd, 0, 0) {
+            if first.is_ok() {
+                first = Err(e);
+            }
+        }
+    }
+    first
 }
 
 fn epoll_ctl_with(
@@ -334,7 +393,7 @@ impl Worker {
     /// [`Error::Foreign`] for a connection of another domain (or another backend) — a
     /// worker serves the connections of its own domain, whose registrations they share; the
     /// connection is dropped (closed). [`Error::WouldBlock`] past [`MAX_ENDPOINTS`];
-    /// [`Error::Io`] when its fd cannot be watched.
+    /// [`Error::Io`] when its fds cannot be watched.
     pub fn add(&mut self, t: Box<dyn Transport>) -> Result<EndpointId> {
         if t.kind() != self.domain.kind() || t.domain().id() != self.domain.id() {
             return Err(Error::Foreign(
@@ -359,14 +418,7 @@ impl Worker {
             Some(k) => self.watch_shared((k >> 32) as u32),
             None => Ok(()),
         };
-        if let Err(e) = watched.and_then(|()| {
-            epoll_ctl(
-                self.epoll.as_fd(),
-                libc::EPOLL_CTL_ADD,
-                t.wait_fd(),
-                id.raw() as u64,
-            )
-        }) {
+        if let Err(e) = watched.and_then(|()| watch(self.epoll.as_fd(), t.as_ref(), id)) {
             if key.is_some() {
                 t.attach_worker(None);
             }
@@ -515,11 +567,11 @@ impl Worker {
     /// has in flight or ready: poll it directly from now on).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for an unknown id; [`Error::Io`] when its fd cannot be
+    /// [`Error::InvalidArgument`] for an unknown id; [`Error::Io`] when its fds cannot be
     /// unwatched (it stays in the worker).
     pub fn remove(&mut self, ep: EndpointId) -> Result<Box<dyn Transport>> {
         let s = self.slot(ep).ok_or_else(|| unknown(ep))?;
-        epoll_ctl(self.epoll.as_fd(), libc::EPOLL_CTL_DEL, s.t.wait_fd(), 0)?;
+        unwatch(self.epoll.as_fd(), s.t.as_ref())?;
         let index = ep.index();
         let mut s = self.slots[index].take().expect("checked above");
         if let Some(k) = s.key {
@@ -645,12 +697,7 @@ impl Worker {
     fn try_park(&mut self, index: usize) -> Result<bool> {
         let s = self.slots[index].as_mut().expect("active slot");
         if s.t.arm()? {
-            epoll_ctl(
-                self.epoll.as_fd(),
-                libc::EPOLL_CTL_MOD,
-                s.t.wait_fd(),
-                s.id.raw() as u64,
-            )?;
+            rewatch(self.epoll.as_fd(), s.t.as_ref(), s.id)?;
             s.state = State::Parked;
             self.parked += 1;
             Ok(true)
