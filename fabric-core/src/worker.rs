@@ -66,9 +66,11 @@
 //! * **parked** — its own [`arm`](Transport::arm) returned `true`, so by the trait's contract
 //!   its `wait_fd` becomes readable when it may have work — that is, one of the fds that
 //!   `wait_fd` gathers becomes ready — and the worker's epoll watches those fds (one or two
-//!   per endpoint, each `EPOLLONESHOT` and re-enabled after every arm, for writability too
-//!   where the arm asked for it: tcp output waiting for room; all carry the endpoint's id,
-//!   so an event on any of them makes the endpoint active). `poll` does not touch it; it
+//!   per endpoint, each `EPOLLONESHOT`, for writability too where the arm asked for it:
+//!   tcp output waiting for room; each token names the endpoint and the fd, so an event on
+//!   any of them makes the endpoint active, and after the next arm the worker re-enables
+//!   only the fds the epoll reported: shm's socket, which tells only of control messages
+//!   and hang-up, costs no system call per park). `poll` does not touch it; it
 //!   comes back to the active queue when `epoll_wait` reports it. This is how an idle
 //!   endpoint with a posted receive is found: shm's peer signals its eventfd when it
 //!   publishes a record to a side that armed, tcp's socket becomes readable; verbs
@@ -94,14 +96,20 @@
 //!
 //! [`Worker::arm`] arms every active endpoint (each [`Transport::arm`] promises that work
 //! arriving afterwards makes its `wait_fd` readable, which happens exactly when one of the
-//! fds it gathers becomes ready) and only then re-enables the registration of every one of
-//! those fds in the worker's epoll, with the interest that arm chose; `epoll_ctl` checks
-//! each fd's readiness at that moment, so work that arrived between the endpoint's arm and
-//! the registration is not missed, whichever of its fds it readied. So every fd of a parked
-//! endpoint is enabled from the moment it parked; the first event on any of them makes it
-//! active (one that fires on another of its fds while it is active changes nothing: the
-//! endpoint is polled, and armed and re-enabled in full before it parks again). An
-//! endpoint that reports work keeps the worker awake (`arm` returns `false`).
+//! fds it gathers becomes ready) and only then makes sure every one of those fds is enabled
+//! in the worker's epoll with the interest that arm chose. An fd the epoll reported since
+//! it was last enabled (`EPOLLONESHOT` disabled it), or whose interest changed, is
+//! re-enabled with `epoll_ctl`, which checks its readiness at that moment, so work that
+//! arrived between the endpoint's arm and the call is not missed. An fd the epoll has not
+//! reported is still enabled: readiness that comes while an entry is enabled queues it in
+//! the epoll, and one queued but no longer ready when collected is skipped without being
+//! disabled, so it too reports whatever comes after the arm. (The worker tracks this per
+//! fd: every event it collects clears that fd's bit, whatever the endpoint's state.) So
+//! every fd of a parked endpoint is enabled from the moment it parked, and the first event
+//! on any of them makes it active (one on another of its fds while it is active changes
+//! nothing but that fd's bit: the endpoint is polled, and armed and re-enabled before it
+//! parks again). An endpoint that reports work keeps the worker awake (`arm` returns
+//! `false`).
 //!
 //! # Limits
 //!
@@ -143,6 +151,10 @@ pub const EPOLL_EVERY: u32 = 16;
 /// Marks an epoll entry of a completion queue shared by endpoints (the low bits: its index
 /// in the domain) rather than an endpoint's own fd.
 const SHARED_TAG: u64 = 1 << 40;
+
+/// An endpoint's epoll token is its id (the low 32 bits) and, from this bit on, which of
+/// its watched fds it is.
+const FD_SHIFT: u32 = 32;
 
 /// Process-unique worker ids (a shared completion queue's wake-ups name their worker).
 static NEXT_WORKER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -232,6 +244,12 @@ struct Slot {
     idle: u32,
     /// Its key in a completion queue it shares with other endpoints (verbs).
     key: Option<u64>,
+    /// Which of its watched fds are registered and enabled now (bit k: fd k of
+    /// [`Transport::watch_fds`]): set when the worker (re-)enables one, cleared when the
+    /// epoll reports one (`EPOLLONESHOT` disabled it then).
+    enabled: u8,
+    /// Which of its watched fds are registered for writability too.
+    out: u8,
 }
 
 /// One progress engine for many endpoints of one [`Domain`]: see the [module
@@ -281,33 +299,57 @@ fn endpoint_events(out: bool) -> libc::c_int {
     libc::EPOLLIN | libc::EPOLLONESHOT | if out { libc::EPOLLOUT } else { 0 }
 }
 
-/// Adds every fd of an endpoint ([`Transport::watch_fds`]) to the epoll, each with the
-/// endpoint's id as its token; on failure none stays.
-fn watch(ep: BorrowedFd<'_>, t: &dyn Transport, id: EndpointId) -> Result<()> {
+/// The epoll token of fd `k` of endpoint `id`.
+fn token(id: EndpointId, k: usize) -> u64 {
+    u64::from(id.raw()) | (k as u64) << FD_SHIFT
+}
+
+/// Adds every fd of an endpoint ([`Transport::watch_fds`]) to the epoll, each with a token
+/// naming the endpoint and the fd; on failure none stays. Returns the `enabled` and `out`
+/// masks of its [`Slot`].
+fn watch(ep: BorrowedFd<'_>, t: &dyn Transport, id: EndpointId) -> Result<(u8, u8)> {
     let w = t.watch_fds();
+    let (mut enabled, mut outs) = (0u8, 0u8);
     for (k, &(fd, out)) in w.as_slice().iter().enumerate() {
-        let data = u64::from(id.raw());
-        if let Err(e) = epoll_ctl_with(ep, libc::EPOLL_CTL_ADD, fd, data, endpoint_events(out)) {
+        if let Err(e) = epoll_ctl_with(
+            ep,
+            libc::EPOLL_CTL_ADD,
+            fd,
+            token(id, k),
+            endpoint_events(out),
+        ) {
             for &(added, _) in &w.as_slice()[..k] {
                 let _ = epoll_ctl_with(ep, libc::EPOLL_CTL_DEL, added, 0, 0);
             }
             return Err(e);
         }
+        enabled |= 1 << k;
+        outs |= u8::from(out) << k;
     }
-    Ok(())
+    Ok((enabled, outs))
 }
 
-/// Re-enables every fd of an armed endpoint (`EPOLLONESHOT`: the kernel checks each fd's
-/// readiness now, so work that came after the arm is reported).
-fn rewatch(ep: BorrowedFd<'_>, t: &dyn Transport, id: EndpointId) -> Result<()> {
-    for &(fd, out) in t.watch_fds().as_slice() {
+/// After an arm: re-enables each fd of the endpoint in slot `s` that the epoll reported
+/// since it was last enabled (`EPOLLONESHOT`: the kernel checks the fd's readiness now, so
+/// work that came after the arm is reported), and re-registers one whose interest in
+/// writability changed. An fd the epoll has not reported is still enabled and needs no
+/// system call: it reports readiness whenever it comes.
+fn rewatch(ep: BorrowedFd<'_>, s: &mut Slot) -> Result<()> {
+    for (k, &(fd, out)) in s.t.watch_fds().as_slice().iter().enumerate() {
+        let bit = 1u8 << k;
+        if s.enabled & bit != 0 && (s.out & bit != 0) == out {
+            continue;
+        }
+        s.enabled &= !bit;
         epoll_ctl_with(
             ep,
             libc::EPOLL_CTL_MOD,
             fd,
-            u64::from(id.raw()),
+            token(s.id, k),
             endpoint_events(out),
         )?;
+        s.enabled |= bit;
+        s.out = (s.out & !bit) | (u8::from(out) << k);
     }
     Ok(())
 }
@@ -418,13 +460,17 @@ impl Worker {
             Some(k) => self.watch_shared((k >> 32) as u32),
             None => Ok(()),
         };
-        if let Err(e) = watched.and_then(|()| watch(self.epoll.as_fd(), t.as_ref(), id)) {
-            if key.is_some() {
-                t.attach_worker(None);
+        let watched = watched.and_then(|()| watch(self.epoll.as_fd(), t.as_ref(), id));
+        let (enabled, out) = match watched {
+            Ok(masks) => masks,
+            Err(e) => {
+                if key.is_some() {
+                    t.attach_worker(None);
+                }
+                self.free.push(Reverse(index));
+                return Err(e);
             }
-            self.free.push(Reverse(index));
-            return Err(e);
-        }
+        };
         if let Some(k) = key {
             self.keys.insert(k, index);
         }
@@ -435,6 +481,8 @@ impl Worker {
             state: State::Active,
             idle: 0,
             key,
+            enabled,
+            out,
         });
         self.active.push_back(index);
         self.len += 1;
@@ -643,12 +691,14 @@ impl Worker {
             }
             let id = EndpointId(data as u32);
             let index = id.index();
-            let Some(Some(s)) = self.slots.get(index) else {
+            let Some(Some(s)) = self.slots.get_mut(index) else {
                 continue;
             };
             if s.id != id {
                 continue;
             }
+            // `EPOLLONESHOT` disabled this fd: the next park re-enables it.
+            s.enabled &= !(1u8 << ((data >> FD_SHIFT) & 7));
             self.wake(index);
         }
         Ok(())
@@ -697,7 +747,7 @@ impl Worker {
     fn try_park(&mut self, index: usize) -> Result<bool> {
         let s = self.slots[index].as_mut().expect("active slot");
         if s.t.arm()? {
-            rewatch(self.epoll.as_fd(), s.t.as_ref(), s.id)?;
+            rewatch(self.epoll.as_fd(), s)?;
             s.state = State::Parked;
             self.parked += 1;
             Ok(true)
