@@ -21,6 +21,7 @@
 mod support;
 
 use std::collections::{HashMap, HashSet};
+use std::os::fd::AsRawFd;
 use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -808,6 +809,78 @@ fn foreign_and_remove(kind: TransportKind, test: &str) {
     assert!(matches!(e.error, Error::InvalidArgument(_)), "{e}");
     assert!(matches!(w.remove(id), Err(Error::InvalidArgument(_))));
     assert!(w.endpoint(id2).is_ok());
+}
+
+/// A connection a worker handed back sleeps alone: its `wait_fd` (shm and tcp: an epoll
+/// made on first need, none while in the worker) is one more fd, the same fd on every
+/// call, and a `wait` on it wakes for a message sent while it sleeps.
+fn removed_sleeps_alone(kind: TransportKind, test: &str) {
+    let _g = serial();
+    let Some(a) = open(kind, test) else {
+        return;
+    };
+    let b = open(kind, test).expect("a second domain");
+    let mut w = Worker::new(&a).unwrap();
+    let (x, mut y) = pairs(&a, &b, 1).pop().unwrap();
+    let id = w.add(x).unwrap();
+    let mut evs = events(4);
+    // Parked in the worker (armed without an epoll of its own), then handed back.
+    let end = Instant::now() + DEADLINE;
+    while !w.arm().unwrap() {
+        assert_eq!(w.poll(&mut evs).unwrap(), 0);
+        assert!(Instant::now() < end, "the worker never goes idle");
+    }
+    let mut x = w.remove(id).unwrap();
+    let before = count_fds();
+    let fd = x.wait_fd().as_raw_fd();
+    assert_eq!(count_fds(), before + 1, "the lone wait fd is one epoll");
+    assert_eq!(x.wait_fd().as_raw_fd(), fd, "wait_fd changed");
+    assert_eq!(count_fds(), before + 1);
+    let rx = a.register(64, Access::empty()).unwrap();
+    x.post_recv(rx.slice(0, 64).unwrap(), 1).unwrap();
+    let sender = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        let tx = b.register(64, Access::empty()).unwrap();
+        tx.write_at(0, b"lone").unwrap();
+        y.post_send(tx.slice(0, 4).unwrap(), 2).unwrap();
+        let mut got = [Completion::default()];
+        let end = Instant::now() + DEADLINE;
+        while y.poll(&mut got).unwrap() == 0 {
+            y.wait(Some(Duration::from_millis(100))).unwrap();
+            assert!(Instant::now() < end, "the send never completed");
+        }
+        assert_eq!(got[0].status, Status::Success);
+        y
+    });
+    let mut got = [Completion::default()];
+    let (mut waits, end) = (0, Instant::now() + DEADLINE);
+    while x.poll(&mut got).unwrap() == 0 {
+        let t = Instant::now();
+        x.wait(Some(Duration::from_secs(5))).unwrap();
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "a lone wait slept to its timeout: a lost wake-up"
+        );
+        waits += 1;
+        assert!(Instant::now() < end, "no message");
+    }
+    assert_eq!(got[0].status, Status::Success);
+    assert_eq!(
+        &got[0].buf.as_ref().unwrap().to_vec()[..got[0].len],
+        b"lone"
+    );
+    assert!(waits > 0, "never slept: the test checked nothing");
+    assert_eq!(x.wait_fd().as_raw_fd(), fd, "wait_fd changed");
+    drop(sender.join().unwrap());
+}
+
+#[test]
+fn shm_removed_endpoint_sleeps_alone() {
+    removed_sleeps_alone(TransportKind::Shm, "shm_removed_endpoint_sleeps_alone");
+}
+#[test]
+fn tcp_removed_endpoint_sleeps_alone() {
+    removed_sleeps_alone(TransportKind::Tcp, "tcp_removed_endpoint_sleeps_alone");
 }
 
 #[test]
