@@ -21,6 +21,7 @@
 mod support;
 
 use std::collections::{HashMap, HashSet};
+use std::os::fd::AsRawFd;
 use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -158,8 +159,9 @@ fn echo_peer(kind: TransportKind, addr: &str, n: usize, jitter_us: u64) -> Resul
     Err("echo peer: never told to quit".into())
 }
 
-/// Raises this process's soft fd limit to its hard limit: 256 shm endpoints hold about 2,000
-/// fds, more than the usual soft limit of 1,024.
+/// Raises this process's soft fd limit to its hard limit: 256 shm endpoints hold about 800
+/// fds once connected, more while connecting (the connectors' sockets) and with regions
+/// being announced, near the usual soft limit of 1,024.
 ///
 /// # Panics
 /// When the hard limit is below `need` (the message says so).
@@ -541,6 +543,100 @@ fn verbs_wait_arm_no_lost_wakeup() {
 }
 
 // ---------------------------------------------------------------------------------------
+// A message larger than the buffers between the peers, both sides sleeping in their
+// workers: the sender parks with output waiting (tcp: for room in the socket, which the
+// worker must watch for writability; shm: for room in the ring, which the receiver
+// signals), the receiver with nothing posted yet.
+
+/// Polls `w` until `ep` completes `want` operations, sleeping on the worker's fd whenever a
+/// poll finds nothing; returns how many waits it took. A wait that sleeps to its timeout
+/// is a lost wake-up.
+fn drive_sleeping(w: &mut Worker, ep: EndpointId, mut want: usize, what: &str) -> usize {
+    const LIMIT: Duration = Duration::from_secs(5);
+    let mut evs = events(4);
+    let end = Instant::now() + DEADLINE;
+    let mut waits = 0;
+    while want > 0 {
+        let n = w.poll(&mut evs).expect("poll");
+        for ev in &mut evs[..n] {
+            assert_eq!(ev.endpoint, ep);
+            assert_eq!(ev.completion.status, Status::Success, "{what}");
+            want -= 1;
+        }
+        if n == 0 && want > 0 {
+            let t = Instant::now();
+            w.wait(Some(LIMIT)).expect("wait");
+            waits += 1;
+            assert!(
+                t.elapsed() < LIMIT,
+                "{what}: a wait slept to its timeout ({:?}): a lost wake-up",
+                t.elapsed()
+            );
+        }
+        assert!(
+            Instant::now() < end,
+            "{what}: no progress within {DEADLINE:?}"
+        );
+    }
+    waits
+}
+
+fn large_message_both_sleeping(kind: TransportKind, test: &str) {
+    const LEN: usize = 16 << 20;
+    const ROUNDS: usize = 3;
+    let _g = serial();
+    let Some(a) = open(kind, test) else {
+        return;
+    };
+    let b = open(kind, test).expect("a second domain");
+    let (x, y) = pairs(&a, &b, 1).pop().unwrap();
+    let sender = std::thread::spawn(move || {
+        let mut w = Worker::new(&b).unwrap();
+        let ep = w.add(y).unwrap();
+        let tx = b.register(LEN, Access::empty()).unwrap();
+        let mut waits = 0;
+        for round in 0..ROUNDS {
+            tx.fill(0, LEN, round as u8 + 1).unwrap();
+            w.post_send(ep, tx.slice(0, LEN).unwrap(), round as u64)
+                .unwrap();
+            waits += drive_sleeping(&mut w, ep, 1, "sender");
+        }
+        waits
+    });
+    let mut w = Worker::new(&a).unwrap();
+    let ep = w.add(x).unwrap();
+    let rx = a.register(LEN, Access::empty()).unwrap();
+    for round in 0..ROUNDS {
+        // The sender fills every buffer on the way and sleeps before the receive exists.
+        std::thread::sleep(Duration::from_millis(50));
+        rx.fill(0, LEN, 0).unwrap();
+        w.post_recv(ep, rx.slice(0, LEN).unwrap(), round as u64)
+            .unwrap();
+        drive_sleeping(&mut w, ep, 1, "receiver");
+        let got = rx.slice(0, LEN).unwrap().to_vec();
+        assert!(
+            got.iter().all(|&v| v == round as u8 + 1),
+            "round {round}: wrong bytes"
+        );
+    }
+    let waits = sender.join().unwrap();
+    println!("{kind}: {ROUNDS} messages of {LEN} bytes, the sender waited {waits} times");
+    assert!(
+        waits >= ROUNDS,
+        "the sender never slept: the test checked nothing"
+    );
+}
+
+#[test]
+fn shm_large_message_both_sleeping() {
+    large_message_both_sleeping(TransportKind::Shm, "shm_large_message_both_sleeping");
+}
+#[test]
+fn tcp_large_message_both_sleeping() {
+    large_message_both_sleeping(TransportKind::Tcp, "tcp_large_message_both_sleeping");
+}
+
+// ---------------------------------------------------------------------------------------
 // Fairness, foreign connections, remove.
 
 /// Connects `n` pairs between `a` (accepting) and `b` (connecting) in this thread.
@@ -715,6 +811,78 @@ fn foreign_and_remove(kind: TransportKind, test: &str) {
     assert!(w.endpoint(id2).is_ok());
 }
 
+/// A connection a worker handed back sleeps alone: its `wait_fd` (shm and tcp: an epoll
+/// made on first need, none while in the worker) is one more fd, the same fd on every
+/// call, and a `wait` on it wakes for a message sent while it sleeps.
+fn removed_sleeps_alone(kind: TransportKind, test: &str) {
+    let _g = serial();
+    let Some(a) = open(kind, test) else {
+        return;
+    };
+    let b = open(kind, test).expect("a second domain");
+    let mut w = Worker::new(&a).unwrap();
+    let (x, mut y) = pairs(&a, &b, 1).pop().unwrap();
+    let id = w.add(x).unwrap();
+    let mut evs = events(4);
+    // Parked in the worker (armed without an epoll of its own), then handed back.
+    let end = Instant::now() + DEADLINE;
+    while !w.arm().unwrap() {
+        assert_eq!(w.poll(&mut evs).unwrap(), 0);
+        assert!(Instant::now() < end, "the worker never goes idle");
+    }
+    let mut x = w.remove(id).unwrap();
+    let before = count_fds();
+    let fd = x.wait_fd().as_raw_fd();
+    assert_eq!(count_fds(), before + 1, "the lone wait fd is one epoll");
+    assert_eq!(x.wait_fd().as_raw_fd(), fd, "wait_fd changed");
+    assert_eq!(count_fds(), before + 1);
+    let rx = a.register(64, Access::empty()).unwrap();
+    x.post_recv(rx.slice(0, 64).unwrap(), 1).unwrap();
+    let sender = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        let tx = b.register(64, Access::empty()).unwrap();
+        tx.write_at(0, b"lone").unwrap();
+        y.post_send(tx.slice(0, 4).unwrap(), 2).unwrap();
+        let mut got = [Completion::default()];
+        let end = Instant::now() + DEADLINE;
+        while y.poll(&mut got).unwrap() == 0 {
+            y.wait(Some(Duration::from_millis(100))).unwrap();
+            assert!(Instant::now() < end, "the send never completed");
+        }
+        assert_eq!(got[0].status, Status::Success);
+        y
+    });
+    let mut got = [Completion::default()];
+    let (mut waits, end) = (0, Instant::now() + DEADLINE);
+    while x.poll(&mut got).unwrap() == 0 {
+        let t = Instant::now();
+        x.wait(Some(Duration::from_secs(5))).unwrap();
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "a lone wait slept to its timeout: a lost wake-up"
+        );
+        waits += 1;
+        assert!(Instant::now() < end, "no message");
+    }
+    assert_eq!(got[0].status, Status::Success);
+    assert_eq!(
+        &got[0].buf.as_ref().unwrap().to_vec()[..got[0].len],
+        b"lone"
+    );
+    assert!(waits > 0, "never slept: the test checked nothing");
+    assert_eq!(x.wait_fd().as_raw_fd(), fd, "wait_fd changed");
+    drop(sender.join().unwrap());
+}
+
+#[test]
+fn shm_removed_endpoint_sleeps_alone() {
+    removed_sleeps_alone(TransportKind::Shm, "shm_removed_endpoint_sleeps_alone");
+}
+#[test]
+fn tcp_removed_endpoint_sleeps_alone() {
+    removed_sleeps_alone(TransportKind::Tcp, "tcp_removed_endpoint_sleeps_alone");
+}
+
 #[test]
 fn shm_foreign_add_refused_and_remove_hands_back() {
     foreign_and_remove(
@@ -785,18 +953,29 @@ fn rss() -> usize {
 }
 
 /// The most fds one endpoint may hold (what the backends open per connection today):
-/// * shm: 7 of its own — the channel memfd, the Unix socket and a duplicate of it for the
-///   domain's announcer, its eventfd, the peer's eventfd and a duplicate for the announcer,
-///   its epoll — plus one memfd per region the peer registered (shm passes every region's
-///   fd for rendezvous reads; the echo peer registers one): 8;
-/// * tcp: the socket and its epoll: 2;
+/// * shm: the Unix socket, its eventfd and the peer's eventfd: 3 (the announcer shares the
+///   socket and the peer's eventfd instead of duplicates, the channel's memfd and the memfd
+///   of every region the peer announced are closed once mapped, and the worker watches the
+///   eventfd and the socket itself, so the connection makes no epoll). It was 8: the two
+///   duplicates, the channel memfd, the peer region's memfd (the echo peer announces one)
+///   and an epoll per connection;
+/// * tcp: the socket: 1 (it was 2, with an epoll per connection);
 /// * verbs: the side-channel socket only: 1 (the queue pair's completions go to a CQ the
 ///   domain's connections share, and the worker watches that CQ, not each endpoint).
 fn fd_limit(kind: TransportKind) -> usize {
     match kind {
-        TransportKind::Shm => 8,
-        TransportKind::Tcp => 2,
+        TransportKind::Shm => 3,
         _ => 1,
+    }
+}
+
+/// fd kinds (as [`fd_kinds`] names them) an endpoint of `kind` in a worker must not hold
+/// at all: shm and tcp connections make no epoll of their own (the worker watches their
+/// fds) and keep no memfd once the channel and the peer's regions are mapped.
+fn fd_kinds_refused(kind: TransportKind) -> &'static [&'static str] {
+    match kind {
+        TransportKind::Shm | TransportKind::Tcp => &["anon_inode:[eventpoll]", "/memfd"],
+        _ => &[],
     }
 }
 
@@ -857,9 +1036,10 @@ fn many_endpoints(kind: TransportKind, test: &str) {
     assert_eq!((w.active_len(), w.parked_len()), (0, N));
     let (fd1, rss1) = (count_fds(), rss());
     let fds_per = (fd1 - fd0) as f64 / N as f64;
+    let kinds1 = fd_kinds();
     println!(
         "worker, {kind}: fds per endpoint by kind: {}",
-        fd_growth(&kinds0, &fd_kinds(), N)
+        fd_growth(&kinds0, &kinds1, N)
     );
     let rss_per = rss1.saturating_sub(rss0) / N;
     println!(
@@ -881,6 +1061,14 @@ fn many_endpoints(kind: TransportKind, test: &str) {
         fd_limit(kind),
         fd_shared(kind)
     );
+    for &k in fd_kinds_refused(kind) {
+        let grew = kinds1.get(k).copied().unwrap_or(0) > kinds0.get(k).copied().unwrap_or(0);
+        assert!(
+            !grew,
+            "{k} fds came with the endpoints: {}",
+            fd_growth(&kinds0, &kinds1, N)
+        );
+    }
     assert!(
         rss_per <= rss_limit(kind),
         "{rss_per} resident bytes per idle endpoint, more than {}",

@@ -738,6 +738,17 @@ pub trait Transport: Send + fmt::Debug {
         None
     }
 
+    /// Internal to fabric-core's [`Worker`](crate::Worker): the fds it watches in its own
+    /// epoll instead of [`wait_fd`](Transport::wait_fd), so that a connection in a worker
+    /// needs no epoll of its own. After [`arm`](Transport::arm) returned `true`, work makes
+    /// one of them ready as it would make `wait_fd` readable (read again after every arm:
+    /// what is watched may change with it, e.g. writability while output waits). The
+    /// default is `wait_fd` itself, for readability.
+    #[doc(hidden)]
+    fn watch_fds(&self) -> crate::backend::WatchFds<'_> {
+        crate::backend::WatchFds::one(self.wait_fd(), false)
+    }
+
     /// Sleeps until there may be work or `timeout` passes (`arm` + `poll(2)` on the fd).
     ///
     /// # Errors

@@ -4,9 +4,12 @@
 //! A worker belongs to a [`Domain`] and holds any number of its connections
 //! ([`Transport`]s), each named by an [`EndpointId`]. [`Worker::poll`] moves finished
 //! operations of all of them into one caller slice as [`Event`]s that say which endpoint
-//! each completion belongs to; [`Worker::wait_fd`] is one epoll fd (owned by the worker,
-//! watching every endpoint's own [`wait_fd`](Transport::wait_fd)) that wakes the caller, with
-//! [`Worker::arm`] following the trait's protocol.
+//! each completion belongs to; [`Worker::wait_fd`] is one epoll fd (owned by the worker)
+//! that wakes the caller, with [`Worker::arm`] following the trait's protocol. The epoll
+//! watches each endpoint's underlying fds directly — shm: its eventfd and Unix socket; tcp:
+//! its socket — not the endpoint's own [`wait_fd`](Transport::wait_fd), so an endpoint in a
+//! worker never makes an epoll of its own (shm holds 3 fds per endpoint, tcp 1; see
+//! `tests/fabric_worker.rs`).
 //!
 //! ```no_run
 //! use fabric_core::backend::Options;
@@ -61,16 +64,21 @@
 //!   reached through [`endpoint`](Worker::endpoint) / [`post_send`](Worker::post_send) /
 //!   [`post_recv`](Worker::post_recv), and one whose fd fired are active.
 //! * **parked** — its own [`arm`](Transport::arm) returned `true`, so by the trait's contract
-//!   its `wait_fd` becomes readable when it may have work, and the worker's epoll watches that
-//!   fd (`EPOLLONESHOT`, re-enabled after the arm). `poll` does not touch it; it comes back to
-//!   the active queue when `epoll_wait` reports it. This is how an idle endpoint with a
-//!   posted receive is found: shm's peer signals its eventfd when it publishes a record to a
-//!   side that armed, tcp's socket becomes readable; verbs endpoints share their domain's
-//!   completion queue, which the worker watches once (its channel and eventfd), and the
-//!   queue names the endpoints that got work (an endpoint's own fd, its side socket, only
-//!   tells of a hang-up). A peer that dies hangs up the endpoint's socket, which the
-//!   epoll also watches. An active
-//!   endpoint that gave no completion for [`PARK_AFTER`] polls is armed and parked by `poll`
+//!   its `wait_fd` becomes readable when it may have work — that is, one of the fds that
+//!   `wait_fd` gathers becomes ready — and the worker's epoll watches those fds (one or two
+//!   per endpoint, each `EPOLLONESHOT`, for writability too where the arm asked for it:
+//!   tcp output waiting for room; each token names the endpoint and the fd, so an event on
+//!   any of them makes the endpoint active, and after the next arm the worker re-enables
+//!   only the fds the epoll reported: shm's socket, which tells only of control messages
+//!   and hang-up, costs no system call per park). `poll` does not touch it; it
+//!   comes back to the active queue when `epoll_wait` reports it. This is how an idle
+//!   endpoint with a posted receive is found: shm's peer signals its eventfd when it
+//!   publishes a record to a side that armed, tcp's socket becomes readable; verbs
+//!   endpoints share their domain's completion queue, which the worker watches once (its
+//!   channel and eventfd), and the queue names the endpoints that got work (an endpoint's
+//!   own fd, its side socket, only tells of a hang-up). A peer that dies hangs up the
+//!   endpoint's socket, which the epoll also watches. An active endpoint that gave no
+//!   completion for [`PARK_AFTER`] polls is armed and parked by `poll`
 //!   itself; [`Worker::arm`] parks every active endpoint at once.
 //! * **dormant** — its `arm` returned `false` ("there is work") although nothing of the
 //!   caller's is in flight on it: the connection failed (everything it had completed with an
@@ -87,10 +95,21 @@
 //! # No lost wake-up
 //!
 //! [`Worker::arm`] arms every active endpoint (each [`Transport::arm`] promises that work
-//! arriving afterwards makes its fd readable) and only then re-enables the endpoint's
-//! registration in the worker's epoll; `epoll_ctl` checks the fd's readiness at that moment,
-//! so work that arrived between the endpoint's arm and the registration is not missed. An
-//! endpoint that reports work keeps the worker awake (`arm` returns `false`).
+//! arriving afterwards makes its `wait_fd` readable, which happens exactly when one of the
+//! fds it gathers becomes ready) and only then makes sure every one of those fds is enabled
+//! in the worker's epoll with the interest that arm chose. An fd the epoll reported since
+//! it was last enabled (`EPOLLONESHOT` disabled it), or whose interest changed, is
+//! re-enabled with `epoll_ctl`, which checks its readiness at that moment, so work that
+//! arrived between the endpoint's arm and the call is not missed. An fd the epoll has not
+//! reported is still enabled: readiness that comes while an entry is enabled queues it in
+//! the epoll, and one queued but no longer ready when collected is skipped without being
+//! disabled, so it too reports whatever comes after the arm. (The worker tracks this per
+//! fd: every event it collects clears that fd's bit, whatever the endpoint's state.) So
+//! every fd of a parked endpoint is enabled from the moment it parked, and the first event
+//! on any of them makes it active (one on another of its fds while it is active changes
+//! nothing but that fd's bit: the endpoint is polled, and armed and re-enabled before it
+//! parks again). An endpoint that reports work keeps the worker awake (`arm` returns
+//! `false`).
 //!
 //! # Limits
 //!
@@ -103,8 +122,9 @@
 //!   wakes the worker on every wait, as it would a lone [`Transport::wait`]. shm endpoints
 //!   go dormant instead, and tcp buffers a waiting message (tested in
 //!   `tests/fabric_worker.rs`); verbs makes the sender retry (receiver not ready).
-//! * The worker relies on each endpoint's `wait_fd` staying the same fd for the
-//!   connection's life (true of every backend here).
+//! * The worker relies on the fds an endpoint has it watch staying the same fds for the
+//!   connection's life (true of every backend here; only tcp's interest in writability
+//!   changes, and the worker reads it again after every arm).
 #![allow(unsafe_code)]
 
 use std::cmp::Reverse;
@@ -131,6 +151,10 @@ pub const EPOLL_EVERY: u32 = 16;
 /// Marks an epoll entry of a completion queue shared by endpoints (the low bits: its index
 /// in the domain) rather than an endpoint's own fd.
 const SHARED_TAG: u64 = 1 << 40;
+
+/// An endpoint's epoll token is its id (the low 32 bits) and, from this bit on, which of
+/// its watched fds it is.
+const FD_SHIFT: u32 = 32;
 
 /// Process-unique worker ids (a shared completion queue's wake-ups name their worker).
 static NEXT_WORKER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -205,7 +229,7 @@ impl Default for Event {
 enum State {
     /// In the round-robin queue.
     Active,
-    /// Armed; its fd is watched by the worker's epoll.
+    /// Armed; its fds are watched by the worker's epoll.
     Parked,
     /// Nothing in flight and nothing to wait for; woken by the caller's next post.
     Dormant,
@@ -220,6 +244,12 @@ struct Slot {
     idle: u32,
     /// Its key in a completion queue it shares with other endpoints (verbs).
     key: Option<u64>,
+    /// Which of its watched fds are registered and enabled now (bit k: fd k of
+    /// [`Transport::watch_fds`]): set when the worker (re-)enables one, cleared when the
+    /// epoll reports one (`EPOLLONESHOT` disabled it then).
+    enabled: u8,
+    /// Which of its watched fds are registered for writability too.
+    out: u8,
 }
 
 /// One progress engine for many endpoints of one [`Domain`]: see the [module
@@ -263,8 +293,79 @@ impl fmt::Debug for Worker {
     }
 }
 
-fn epoll_ctl(ep: BorrowedFd<'_>, op: libc::c_int, fd: BorrowedFd<'_>, data: u64) -> Result<()> {
-    epoll_ctl_with(ep, op, fd, data, libc::EPOLLIN | libc::EPOLLONESHOT)
+/// The events an endpoint's fd is watched for: readability (and hang-up), writability where
+/// the endpoint asks for it, once until re-enabled.
+fn endpoint_events(out: bool) -> libc::c_int {
+    libc::EPOLLIN | libc::EPOLLONESHOT | if out { libc::EPOLLOUT } else { 0 }
+}
+
+/// The epoll token of fd `k` of endpoint `id`.
+fn token(id: EndpointId, k: usize) -> u64 {
+    u64::from(id.raw()) | (k as u64) << FD_SHIFT
+}
+
+/// Adds every fd of an endpoint ([`Transport::watch_fds`]) to the epoll, each with a token
+/// naming the endpoint and the fd; on failure none stays. Returns the `enabled` and `out`
+/// masks of its [`Slot`].
+fn watch(ep: BorrowedFd<'_>, t: &dyn Transport, id: EndpointId) -> Result<(u8, u8)> {
+    let w = t.watch_fds();
+    let (mut enabled, mut outs) = (0u8, 0u8);
+    for (k, &(fd, out)) in w.as_slice().iter().enumerate() {
+        if let Err(e) = epoll_ctl_with(
+            ep,
+            libc::EPOLL_CTL_ADD,
+            fd,
+            token(id, k),
+            endpoint_events(out),
+        ) {
+            for &(added, _) in &w.as_slice()[..k] {
+                let _ = epoll_ctl_with(ep, libc::EPOLL_CTL_DEL, added, 0, 0);
+            }
+            return Err(e);
+        }
+        enabled |= 1 << k;
+        outs |= u8::from(out) << k;
+    }
+    Ok((enabled, outs))
+}
+
+/// After an arm: re-enables each fd of the endpoint in slot `s` that the epoll reported
+/// since it was last enabled (`EPOLLONESHOT`: the kernel checks the fd's readiness now, so
+/// work that came after the arm is reported), and re-registers one whose interest in
+/// writability changed. An fd the epoll has not reported is still enabled and needs no
+/// system call: it reports readiness whenever it comes.
+fn rewatch(ep: BorrowedFd<'_>, s: &mut Slot) -> Result<()> {
+    for (k, &(fd, out)) in s.t.watch_fds().as_slice().iter().enumerate() {
+        let bit = 1u8 << k;
+        if s.enabled & bit != 0 && (s.out & bit != 0) == out {
+            continue;
+        }
+        s.enabled &= !bit;
+        epoll_ctl_with(
+            ep,
+            libc::EPOLL_CTL_MOD,
+            fd,
+            token(s.id, k),
+            endpoint_events(out),
+        )?;
+        s.enabled |= bit;
+        s.out = (s.out & !bit) | (u8::from(out) << k);
+    }
+    Ok(())
+}
+
+/// Takes every fd of an endpoint out of the epoll (all are tried; the first error is
+/// returned).
+fn unwatch(ep: BorrowedFd<'_>, t: &dyn Transport) -> Result<()> {
+    let mut first = Ok(());
+    for &(fd, _) in t.watch_fds().as_slice() {
+        if let Err(e) = epoll_ctl_with(ep, libc::EPOLL_CTL_DEL, fd, 0, 0) {
+            if first.is_ok() {
+                first = Err(e);
+            }
+        }
+    }
+    first
 }
 
 fn epoll_ctl_with(
@@ -334,7 +435,7 @@ impl Worker {
     /// [`Error::Foreign`] for a connection of another domain (or another backend) — a
     /// worker serves the connections of its own domain, whose registrations they share; the
     /// connection is dropped (closed). [`Error::WouldBlock`] past [`MAX_ENDPOINTS`];
-    /// [`Error::Io`] when its fd cannot be watched.
+    /// [`Error::Io`] when its fds cannot be watched.
     pub fn add(&mut self, t: Box<dyn Transport>) -> Result<EndpointId> {
         if t.kind() != self.domain.kind() || t.domain().id() != self.domain.id() {
             return Err(Error::Foreign(
@@ -359,20 +460,17 @@ impl Worker {
             Some(k) => self.watch_shared((k >> 32) as u32),
             None => Ok(()),
         };
-        if let Err(e) = watched.and_then(|()| {
-            epoll_ctl(
-                self.epoll.as_fd(),
-                libc::EPOLL_CTL_ADD,
-                t.wait_fd(),
-                id.raw() as u64,
-            )
-        }) {
-            if key.is_some() {
-                t.attach_worker(None);
+        let watched = watched.and_then(|()| watch(self.epoll.as_fd(), t.as_ref(), id));
+        let (enabled, out) = match watched {
+            Ok(masks) => masks,
+            Err(e) => {
+                if key.is_some() {
+                    t.attach_worker(None);
+                }
+                self.free.push(Reverse(index));
+                return Err(e);
             }
-            self.free.push(Reverse(index));
-            return Err(e);
-        }
+        };
         if let Some(k) = key {
             self.keys.insert(k, index);
         }
@@ -383,6 +481,8 @@ impl Worker {
             state: State::Active,
             idle: 0,
             key,
+            enabled,
+            out,
         });
         self.active.push_back(index);
         self.len += 1;
@@ -515,11 +615,11 @@ impl Worker {
     /// has in flight or ready: poll it directly from now on).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for an unknown id; [`Error::Io`] when its fd cannot be
+    /// [`Error::InvalidArgument`] for an unknown id; [`Error::Io`] when its fds cannot be
     /// unwatched (it stays in the worker).
     pub fn remove(&mut self, ep: EndpointId) -> Result<Box<dyn Transport>> {
         let s = self.slot(ep).ok_or_else(|| unknown(ep))?;
-        epoll_ctl(self.epoll.as_fd(), libc::EPOLL_CTL_DEL, s.t.wait_fd(), 0)?;
+        unwatch(self.epoll.as_fd(), s.t.as_ref())?;
         let index = ep.index();
         let mut s = self.slots[index].take().expect("checked above");
         if let Some(k) = s.key {
@@ -591,12 +691,14 @@ impl Worker {
             }
             let id = EndpointId(data as u32);
             let index = id.index();
-            let Some(Some(s)) = self.slots.get(index) else {
+            let Some(Some(s)) = self.slots.get_mut(index) else {
                 continue;
             };
             if s.id != id {
                 continue;
             }
+            // `EPOLLONESHOT` disabled this fd: the next park re-enables it.
+            s.enabled &= !(1u8 << ((data >> FD_SHIFT) & 7));
             self.wake(index);
         }
         Ok(())
@@ -645,12 +747,7 @@ impl Worker {
     fn try_park(&mut self, index: usize) -> Result<bool> {
         let s = self.slots[index].as_mut().expect("active slot");
         if s.t.arm()? {
-            epoll_ctl(
-                self.epoll.as_fd(),
-                libc::EPOLL_CTL_MOD,
-                s.t.wait_fd(),
-                s.id.raw() as u64,
-            )?;
+            rewatch(self.epoll.as_fd(), s)?;
             s.state = State::Parked;
             self.parked += 1;
             Ok(true)

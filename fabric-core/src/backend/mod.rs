@@ -304,7 +304,47 @@ pub(crate) trait Hal: Send + fmt::Debug {
         self.progress(t)
     }
     fn wait_fd(&self) -> BorrowedFd<'_>;
+    /// See [`Transport::watch_fds`]: the fds whose readiness [`wait_fd`](Self::wait_fd)
+    /// gathers (the default: `wait_fd` itself). A backend that overrides it may make its
+    /// `wait_fd` on first need, so that a connection in a worker never has one.
+    fn watch_fds(&self) -> WatchFds<'_> {
+        WatchFds::one(self.wait_fd(), false)
+    }
     fn arm(&mut self, t: &Tracker) -> Result<bool>;
+}
+
+/// The fds a [`Worker`](crate::Worker) watches for one connection in its own epoll, in
+/// place of the connection's [`wait_fd`](Transport::wait_fd) (see
+/// [`Transport::watch_fds`]): one or two, each for readability and hang-up, and for
+/// writability where `out` says so. Internal to fabric-core.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy)]
+pub struct WatchFds<'a> {
+    fds: [(BorrowedFd<'a>, bool); 2],
+    len: usize,
+}
+
+impl<'a> WatchFds<'a> {
+    /// One fd (`out`: writability too).
+    pub fn one(fd: BorrowedFd<'a>, out: bool) -> Self {
+        WatchFds {
+            fds: [(fd, out), (fd, out)],
+            len: 1,
+        }
+    }
+
+    /// Two fds, readability (and hang-up) only.
+    pub fn two(a: BorrowedFd<'a>, b: BorrowedFd<'a>) -> Self {
+        WatchFds {
+            fds: [(a, false), (b, false)],
+            len: 2,
+        }
+    }
+
+    /// The fds, each with whether its writability is watched too.
+    pub fn as_slice(&self) -> &[(BorrowedFd<'a>, bool)] {
+        &self.fds[..self.len]
+    }
 }
 
 /// A connection: the shared [`Tracker`] plus one backend's [`Hal`].
@@ -471,6 +511,9 @@ impl<H: Hal> Transport for Endpoint<H> {
     }
     fn wait_fd(&self) -> BorrowedFd<'_> {
         self.h.wait_fd()
+    }
+    fn watch_fds(&self) -> WatchFds<'_> {
+        self.h.watch_fds()
     }
     fn attach_worker(&mut self, worker: Option<u64>) -> Option<u64> {
         self.h.attach_worker(worker)

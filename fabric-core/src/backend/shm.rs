@@ -5,6 +5,9 @@
 //!   size-sealed `memfd` holding two SPSC [`ring`]s — and passes it, with an
 //!   `eventfd` to wake it, over `SCM_RIGHTS`; the connector checks the seals and size,
 //!   maps it and answers with its own `eventfd`. Nothing is ever reachable by a path.
+//!   Once connected, each side holds three fds: the socket, its own eventfd and the
+//!   peer's (the channel's memfd, and a peer region's once mapped, are closed: the
+//!   mappings stay).
 //! * Two-sided: a message is copied into the outbound ring in records of at most
 //!   `chunk_bytes` (the first record carries the total length and, in its first 8 payload
 //!   bytes, the message's tag) and copied out into the oldest posted receive that matches
@@ -22,8 +25,11 @@
 //!   atomics are plain copies and `AtomicU64` operations on the peer's mapping, checked
 //!   against the key, the granted access and the real mapping length.
 //! * Sleeping: each side has a "sleeping" flag in the channel; a side that armed sleeps on
-//!   an epoll fd (its eventfd + the socket); the other side signals the eventfd after
-//!   publishing records or freeing space, only when the flag is set.
+//!   its eventfd and the socket; the other side signals the eventfd after publishing
+//!   records or freeing space, only when the flag is set. A lone
+//!   [`wait_fd`](Transport::wait_fd) is an epoll of the two, made on first need; a
+//!   [`Worker`](crate::Worker) watches the two in its own epoll instead, so a connection in
+//!   a worker never makes one.
 //! * Peer death: the Unix socket hangs up when the peer dies; it is checked every
 //!   [`CHECK_EVERY`] idle polls (and at once after a wake-up); then everything in flight
 //!   completes with [`Status::PeerGone`].
@@ -32,12 +38,12 @@
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use memmap2::MmapRaw;
 
 use super::accept::{self, AcceptQueue, Connecting, Handshake};
-use super::{BackendEntry, Connector, Endpoint, Hal, Listener};
+use super::{BackendEntry, Connector, Endpoint, Hal, Listener, WatchFds};
 use crate::domain::{Domain, DomainBackend, MemorySupport, Source};
 use crate::error::{Error, Result};
 use crate::region::{check_range, Access, Memory, Region};
@@ -201,10 +207,12 @@ struct Announcer {
 
 #[derive(Debug)]
 struct AnnouncerInner {
-    sock: UnixStream,
-    chan: Arc<Channel>,
+    /// The connection's socket and the peer's eventfd, shared with its [`ShmHal`] (no
+    /// duplicates: an endpoint holds one fd of each).
+    sock: Arc<UnixStream>,
+    chan: Arc<ChannelMap>,
     side: usize,
-    peer_efd: OwnedFd,
+    peer_efd: Arc<OwnedFd>,
     sent: u64,
     queue: std::collections::VecDeque<AnnMsg>,
 }
@@ -342,11 +350,20 @@ struct Offer {
     peer_efd: Option<OwnedFd>,
 }
 
-/// The channel mapping: two ring headers, two sleeping flags, two data areas.
+/// The channel during the handshake: its memfd (passed to the connector in the hello) and
+/// the mapping. A finished connection keeps only the mapping ([`ChannelMap`]): nothing
+/// sends the memfd again, so it is closed.
 #[derive(Debug)]
 struct Channel {
     map: MmapRaw,
     _fd: OwnedFd,
+    cap: usize,
+}
+
+/// The channel mapping: two ring headers, two sleeping flags, two data areas.
+#[derive(Debug)]
+struct ChannelMap {
+    map: MmapRaw,
     cap: usize,
 }
 
@@ -360,6 +377,15 @@ impl Channel {
         let map = sys::map_shared(fd.as_fd(), Self::size(cap))?;
         Ok(Channel { map, _fd: fd, cap })
     }
+
+    /// The mapping alone (the memfd is closed; the mapping stays).
+    fn into_map(self) -> ChannelMap {
+        let Channel { map, _fd, cap } = self;
+        ChannelMap { map, cap }
+    }
+}
+
+impl ChannelMap {
     fn sleeping(&self, side: usize) -> &AtomicU32 {
         // SAFETY: OFF_SLEEP[side] + 4 <= CHAN_HDR <= mapping length; aligned; the mapping
         // lives as long as `self`; the word is only accessed atomically.
@@ -644,12 +670,21 @@ fn finish(
     domain: &Domain,
 ) -> Result<Box<dyn Transport>> {
     let opts = domain.options();
+    // The memfd went out in the hello and is never sent again: keep only the mapping.
+    let chan = Arc::new(
+        Arc::try_unwrap(chan)
+            .map_err(|_| Error::Protocol("shm channel shared before the handshake ended".into()))?
+            .into_map(),
+    );
     let (tx, rx) = chan.ends(side);
     let chunk = opts
         .chunk_bytes
         .clamp(64, tx.max_payload())
         .min(chan.cap / 4);
-    let epoll = sys::epoll_of(&[efd.as_fd(), sock.as_fd()])?;
+    // One fd each, shared with the announcer; the epoll of a lone `wait_fd` is made on first
+    // need (a worker watches the eventfd and the socket itself).
+    let sock = Arc::new(sock);
+    let peer_efd = Arc::new(peer_efd);
     let caps = Capabilities {
         ordering: MessageOrdering::InOrder,
         one_sided: true,
@@ -669,10 +704,10 @@ fn finish(
     let announcer = Arc::new(Announcer {
         queued: AtomicU64::new(0),
         inner: Mutex::new(AnnouncerInner {
-            sock: sock.try_clone().map_err(|e| Error::io("dup", e))?,
+            sock: sock.clone(),
             chan: chan.clone(),
             side,
-            peer_efd: peer_efd.try_clone().map_err(|e| Error::io("dup", e))?,
+            peer_efd: peer_efd.clone(),
             sent: 0,
             queue: std::collections::VecDeque::new(),
         }),
@@ -696,7 +731,8 @@ fn finish(
         sock,
         efd,
         peer_efd,
-        epoll,
+        lone: OnceLock::new(),
+        attached: false,
         remote: Vec::new(),
         rndv: opts.rndv_bytes,
         rndv_out: std::collections::VecDeque::with_capacity(opts.max_in_flight),
@@ -741,8 +777,8 @@ struct RemoteRegion {
     key: u64,
     access: Access,
     len: usize,
+    /// The peer's region, mapped (its memfd is closed once mapped: the mapping stays).
     map: MmapRaw,
-    _fd: OwnedFd,
 }
 
 /// The shm backend's byte mover.
@@ -755,14 +791,20 @@ struct ShmHal {
     ann_buf: [u8; ANN_LEN],
     ann_got: usize,
     ann_fds: Vec<OwnedFd>,
-    chan: Arc<Channel>,
+    chan: Arc<ChannelMap>,
     tx: Producer,
     rx: Consumer,
     chunk: usize,
-    sock: UnixStream,
+    /// Shared with the announcer.
+    sock: Arc<UnixStream>,
     efd: OwnedFd,
-    peer_efd: OwnedFd,
-    epoll: OwnedFd,
+    /// Shared with the announcer.
+    peer_efd: Arc<OwnedFd>,
+    /// The epoll of a lone [`wait_fd`](Hal::wait_fd) (the eventfd and the socket), made on
+    /// first need; `None` inside when it could not be made (then `arm` fails).
+    lone: OnceLock<Option<OwnedFd>>,
+    /// A worker holds the connection (it watches [`watch_fds`](Hal::watch_fds) itself).
+    attached: bool,
     remote: Vec<Option<RemoteRegion>>,
     /// Rendezvous threshold (0 = off).
     rndv: usize,
@@ -786,6 +828,16 @@ enum Step {
 }
 
 impl ShmHal {
+    /// The epoll a lone `wait_fd` sleeps on: the eventfd (the peer's signal) and the socket
+    /// (announcements, hang-up). Made on the first call.
+    #[inline]
+    fn lone(&self) -> Option<BorrowedFd<'_>> {
+        self.lone
+            .get_or_init(|| sys::epoll_of(&[self.efd.as_fd(), self.sock.as_fd()]).ok())
+            .as_ref()
+            .map(|ep| ep.as_fd())
+    }
+
     /// Leaves the sleeping state `arm` entered (nothing to do on the hot path).
     #[inline]
     fn unarm(&mut self) {
@@ -1121,6 +1173,7 @@ impl ShmHal {
             ));
         }
         let map = sys::map_shared(fd.as_fd(), (len as usize).max(1))?;
+        drop(fd);
         if self.remote.len() <= idx {
             self.remote.resize_with(idx + 1, || None);
         }
@@ -1131,7 +1184,6 @@ impl ShmHal {
             access,
             len: len as usize,
             map,
-            _fd: fd,
         });
         Ok(true)
     }
@@ -1490,10 +1542,29 @@ impl Hal for ShmHal {
     }
 
     fn wait_fd(&self) -> BorrowedFd<'_> {
-        self.epoll.as_fd()
+        match self.lone() {
+            Some(ep) => ep,
+            // No fd left for the epoll: `arm` reports it (the eventfd still wakes).
+            None => self.efd.as_fd(),
+        }
+    }
+
+    fn watch_fds(&self) -> WatchFds<'_> {
+        WatchFds::two(self.efd.as_fd(), self.sock.as_fd())
+    }
+
+    fn attach_worker(&mut self, worker: Option<u64>) -> Option<u64> {
+        self.attached = worker.is_some();
+        None
     }
 
     fn arm(&mut self, t: &Tracker) -> Result<bool> {
+        if !self.attached && self.lone().is_none() {
+            return Err(Error::io(
+                "shm wait fd (epoll_create1)",
+                std::io::Error::other("could not be created (file descriptor limit?)"),
+            ));
+        }
         sys::eventfd_drain(self.efd.as_fd());
         self.chan.sleeping(self.side).store(1, Ordering::Relaxed);
         self.armed = true;

@@ -18,15 +18,22 @@
 //! Backpressure: the owed-response queue is bounded; when it is full, or when a message
 //! arrives with no receive posted, the backend stops reading the socket and TCP flow
 //! control pushes back on the peer.
+//!
+//! Sleeping: a connection holds one fd, its socket. A lone [`wait_fd`](Transport::wait_fd)
+//! is an epoll of the socket, made on first need, that `arm` also sets to watch
+//! writability while output waits for room; a [`Worker`](crate::Worker) watches the socket
+//! itself in its own epoll (for writability too, after such an arm), so a connection in a
+//! worker never makes one.
 #![allow(unsafe_code)]
 
 use std::collections::VecDeque;
 use std::io;
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::OnceLock;
 
 use super::accept::{self, AcceptQueue, Connecting, Handshake};
-use super::{BackendEntry, Connector, Endpoint, Hal, Listener};
+use super::{BackendEntry, Connector, Endpoint, Hal, Listener, WatchFds};
 use crate::bootstrap::auth;
 use crate::bootstrap::wire::{MAC_LEN, NONCE_LEN};
 use crate::domain::{Domain, DomainBackend, MemorySupport};
@@ -549,7 +556,6 @@ impl Connector for TcpConnector {
 
 fn finish(sock: TcpStream, domain: &Domain) -> Result<Box<dyn Transport>> {
     let opts = domain.options();
-    let epoll = sys::epoll_of(&[sock.as_fd()])?;
     let caps = Capabilities {
         ordering: MessageOrdering::InOrder,
         one_sided: true,
@@ -569,7 +575,8 @@ fn finish(sock: TcpStream, domain: &Domain) -> Result<Box<dyn Transport>> {
     let hal = TcpHal {
         domain: domain.clone(),
         sock,
-        epoll,
+        lone: OnceLock::new(),
+        attached: false,
         epoll_out: false,
         tx: None,
         owed: VecDeque::with_capacity(2 * opts.max_in_flight),
@@ -643,7 +650,15 @@ struct TcpHal {
     /// Target-side checks go to the domain's registry.
     domain: Domain,
     sock: TcpStream,
-    epoll: OwnedFd,
+    /// The epoll of a lone [`wait_fd`](Hal::wait_fd) (the socket, and its writability
+    /// while output waits), made on first need; `None` inside when it could not be made
+    /// (then `arm` fails). A connection in a worker never makes it: the worker watches the
+    /// socket itself ([`watch_fds`](Hal::watch_fds)).
+    lone: OnceLock<Option<OwnedFd>>,
+    /// A worker holds the connection.
+    attached: bool,
+    /// The last `arm` asked for writability (output waits for room in the socket), in the
+    /// lone epoll where it exists and in what `watch_fds` reports.
     epoll_out: bool,
     tx: Option<TxFrame>,
     owed: VecDeque<Owed>,
@@ -1175,7 +1190,9 @@ impl Hal for TcpHal {
     fn progress(&mut self, t: &mut Tracker) -> Result<()> {
         if self.epoll_out {
             self.epoll_out = false;
-            sys::epoll_set(self.epoll.as_fd(), self.sock.as_fd(), false, false)?;
+            if let Some(ep) = self.lone_made() {
+                sys::epoll_set(ep, self.sock.as_fd(), false, false)?;
+            }
         }
         self.drained = false;
         let step = (|| -> Result<()> {
@@ -1205,13 +1222,34 @@ impl Hal for TcpHal {
     }
 
     fn wait_fd(&self) -> BorrowedFd<'_> {
-        self.epoll.as_fd()
+        match self.lone() {
+            Some(ep) => ep,
+            // No fd left for the epoll: `arm` reports it (the socket still tells of data).
+            None => self.sock.as_fd(),
+        }
+    }
+
+    fn watch_fds(&self) -> WatchFds<'_> {
+        WatchFds::one(self.sock.as_fd(), self.epoll_out)
+    }
+
+    fn attach_worker(&mut self, worker: Option<u64>) -> Option<u64> {
+        self.attached = worker.is_some();
+        None
     }
 
     fn arm(&mut self, t: &Tracker) -> Result<bool> {
+        if !self.attached && self.lone().is_none() {
+            return Err(Error::io(
+                "tcp wait fd (epoll_create1)",
+                io::Error::other("could not be created (file descriptor limit?)"),
+            ));
+        }
         let want_out = self.tx.is_some() || !self.owed.is_empty() || t.has_submissions();
         if want_out {
-            sys::epoll_set(self.epoll.as_fd(), self.sock.as_fd(), true, false)?;
+            if let Some(ep) = self.lone_made() {
+                sys::epoll_set(ep, self.sock.as_fd(), true, false)?;
+            }
             self.epoll_out = true;
         }
         Ok(true)
@@ -1219,6 +1257,26 @@ impl Hal for TcpHal {
 }
 
 impl TcpHal {
+    /// The epoll a lone `wait_fd` sleeps on (made on the first call, watching writability
+    /// too if the last `arm` asked for it).
+    fn lone(&self) -> Option<BorrowedFd<'_>> {
+        self.lone
+            .get_or_init(|| {
+                let ep = sys::epoll_of(&[self.sock.as_fd()]).ok()?;
+                if self.epoll_out {
+                    sys::epoll_set(ep.as_fd(), self.sock.as_fd(), true, false).ok()?;
+                }
+                Some(ep)
+            })
+            .as_ref()
+            .map(|ep| ep.as_fd())
+    }
+
+    /// The lone epoll if it was made (a connection in a worker has none).
+    fn lone_made(&self) -> Option<BorrowedFd<'_>> {
+        self.lone.get()?.as_ref().map(|ep| ep.as_fd())
+    }
+
     /// The end of a pass: end of stream and a peer that went away fail the connection's
     /// operations (`PeerGone`); other errors go to the caller.
     fn settle(&mut self, t: &mut Tracker, step: Result<()>) -> Result<()> {
