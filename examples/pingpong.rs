@@ -43,15 +43,9 @@ fn main() {
 
 fn measure(args: &Args, mut peer: Peer) -> Result<(), Box<dyn std::error::Error>> {
     let max = args.max_size.max(args.min_size);
-    let engine = if peer.is_on_worker() {
-        "worker"
-    } else {
-        "transport"
-    };
-    let (kind, caps) = {
-        let conn = peer.conn()?;
-        (conn.kind(), conn.capabilities())
-    };
+    let engine = peer.engine();
+    let conn = peer.conn()?;
+    let (kind, caps) = (conn.kind(), conn.capabilities());
     let mut ini = Initiator::new(peer, max)?;
     let sizes = perf::sizes(args.min_size, max);
     println!(

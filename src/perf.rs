@@ -183,6 +183,15 @@ impl Peer {
         matches!(self.link, Link::Worker { .. })
     }
 
+    /// What drives the connection, for the examples' headers: `"worker"` or `"transport"`.
+    pub fn engine(&self) -> &'static str {
+        if self.is_on_worker() {
+            "worker"
+        } else {
+            "transport"
+        }
+    }
+
     /// The connection, to register memory or post what the peer has no method for.
     ///
     /// # Errors

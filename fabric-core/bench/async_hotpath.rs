@@ -22,7 +22,7 @@
 use std::future::Future;
 use std::pin::pin;
 use std::task::{Context, Poll, Waker};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use fabric_core::async_worker::{AsyncOptions, AsyncWorker};
 use fabric_core::backend::{self, Options};
@@ -35,24 +35,7 @@ type Conn = Box<dyn Transport>;
 /// A (in `domain`) and B (its own domain), connected over shm.
 fn pair(domain: &Domain) -> Result<(Conn, Conn), Error> {
     let mut l = domain.listen()?;
-    let mut c = backend::connect(l.address(), &Options::default())?;
-    let (mut a, mut b) = (None, None);
-    let end = Instant::now() + Duration::from_secs(10);
-    while a.is_none() || b.is_none() {
-        if Instant::now() > end {
-            return Err(Error::Timeout("async_hotpath connect"));
-        }
-        if a.is_none() {
-            a = l.accept()?;
-        }
-        if b.is_none() {
-            b = c.poll_connect()?;
-        }
-    }
-    match (a, b) {
-        (Some(a), Some(b)) => Ok((a, b)),
-        _ => Err(Error::Timeout("async_hotpath connect")),
-    }
+    backend::loopback(l.as_mut(), &Options::default(), Duration::from_secs(10))
 }
 
 fn failed(what: &str, c: &Completion) -> Error {

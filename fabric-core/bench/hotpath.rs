@@ -21,7 +21,7 @@
 //! responder does (so on shm the reply goes by rendezvous only from fabric-core memory);
 //! `HOTPATH_RECV=fabric`: receive buffers are fabric-core memory instead of the caller's.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use fabric_core::backend::{self, Options};
 use fabric_core::{Access, AlignedBuf, Buf, Completion, Error, Region, Transport, TransportKind};
@@ -31,24 +31,7 @@ type Conn = Box<dyn Transport>;
 fn pair(kind: TransportKind) -> Result<(Conn, Conn), Error> {
     let opts = Options::default();
     let mut l = backend::listen(kind, &opts)?;
-    let mut c = backend::connect(l.address(), &opts)?;
-    let (mut a, mut b) = (None, None);
-    let end = Instant::now() + Duration::from_secs(10);
-    while a.is_none() || b.is_none() {
-        if Instant::now() > end {
-            return Err(Error::Timeout("hotpath connect"));
-        }
-        if a.is_none() {
-            a = l.accept()?;
-        }
-        if b.is_none() {
-            b = c.poll_connect()?;
-        }
-    }
-    match (a, b) {
-        (Some(a), Some(b)) => Ok((a, b)),
-        _ => Err(Error::Timeout("hotpath connect")),
-    }
+    backend::loopback(l.as_mut(), &opts, Duration::from_secs(10))
 }
 
 /// Receive buffers: the caller's `AlignedBuf` (default), or fabric-core memory with

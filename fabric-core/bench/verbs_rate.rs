@@ -119,24 +119,7 @@ fn args() -> Args {
 fn pair() -> Result<(Conn, Conn), Error> {
     let opts = Options::default();
     let mut l = backend::listen(TransportKind::Verbs, &opts)?;
-    let mut c = backend::connect(l.address(), &opts)?;
-    let (mut a, mut b) = (None, None);
-    let end = Instant::now() + Duration::from_secs(30);
-    while a.is_none() || b.is_none() {
-        if Instant::now() > end {
-            return Err(Error::Timeout("verbs_rate connect"));
-        }
-        if a.is_none() {
-            a = l.accept()?;
-        }
-        if b.is_none() {
-            b = c.poll_connect()?;
-        }
-    }
-    match (a, b) {
-        (Some(a), Some(b)) => Ok((a, b)),
-        _ => Err(Error::Timeout("verbs_rate connect")),
-    }
+    backend::loopback(l.as_mut(), &opts, Duration::from_secs(30))
 }
 
 struct Fabric {

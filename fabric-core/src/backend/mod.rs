@@ -245,6 +245,42 @@ pub fn connect_timeout(c: &mut dyn Connector, timeout: Duration) -> Result<Box<d
     }
 }
 
+/// Both ends of one connection in this process: connects to `listener` (with `opts`, in a
+/// fresh domain of the connector's own) and accepts that connection, stepping both sides
+/// from this thread; returns `(accepted, connected)`. For tests, benchmarks and in-process
+/// loopback; across processes use [`accept_timeout`] and [`connect_timeout`].
+///
+/// # Errors
+/// [`Error::Timeout`] when the two do not meet within `timeout`; the listener's or the
+/// connector's error.
+pub fn loopback(
+    listener: &mut dyn Listener,
+    opts: &Options,
+    timeout: Duration,
+) -> Result<(Box<dyn Transport>, Box<dyn Transport>)> {
+    let mut c = connect(listener.address(), opts)?;
+    let end = Instant::now() + timeout;
+    let (mut a, mut b) = (None, None);
+    loop {
+        if a.is_none() {
+            a = listener.accept()?;
+        }
+        if b.is_none() {
+            b = c.poll_connect()?;
+        }
+        if let (Some(_), Some(_)) = (&a, &b) {
+            break;
+        }
+        if Instant::now() > end {
+            return Err(Error::Timeout("loopback connect"));
+        }
+    }
+    match (a, b) {
+        (Some(a), Some(b)) => Ok((a, b)),
+        _ => Err(Error::Timeout("loopback connect")),
+    }
+}
+
 static NEXT_CONN: AtomicU64 = AtomicU64::new(1);
 
 /// A fresh process-unique connection id (regions and buffers are tied to it).
@@ -542,19 +578,8 @@ pub(crate) mod shared_tests {
         use std::time::{Duration, Instant};
         let opts = Options::default();
         let mut l = backend::listen(kind, &opts).expect("listen");
-        let mut c = backend::connect(l.address(), &opts).expect("connect");
-        let (mut a, mut b) = (None, None);
-        let end = Instant::now() + Duration::from_secs(10);
-        while a.is_none() || b.is_none() {
-            assert!(Instant::now() < end, "no connection");
-            if a.is_none() {
-                a = l.accept().expect("accept");
-            }
-            if b.is_none() {
-                b = c.poll_connect().expect("connect");
-            }
-        }
-        let (mut a, mut b) = (a.expect("a"), b.expect("b"));
+        let (mut a, mut b) =
+            backend::loopback(l.as_mut(), &opts, Duration::from_secs(10)).expect("loopback");
         let tx = a.register(64, Access::empty()).expect("register");
         let rx = b.register(64, Access::empty()).expect("register");
         tx.slice(0, 8)
