@@ -436,6 +436,9 @@ enum Wake {
 struct Mailbox {
     q: VecDeque<Wc>,
     watch: Watch,
+    /// The connection failed and is not progressed any more: its completions are not
+    /// queued (their shared receive buffers go straight back to the SRQ).
+    discard: bool,
 }
 
 /// The I/O-free core of a shared CQ: one mailbox per queue pair (by `qp_num`) for the
@@ -471,8 +474,40 @@ impl Demux {
         left
     }
 
+    /// Whether completions of `qp` are queued for it (its mailbox is open and not
+    /// discarding).
     fn is_open(&self, qp: u32) -> bool {
-        self.boxes.contains_key(&qp)
+        self.boxes.get(&qp).is_some_and(|b| !b.discard)
+    }
+
+    /// From now on `qp`'s completions are not queued; hands back those queued.
+    fn discard(&mut self, qp: u32) -> VecDeque<Wc> {
+        self.unwatch(qp);
+        self.woken.retain(|&(_, k)| k != qp);
+        match self.boxes.get_mut(&qp) {
+            Some(b) => {
+                b.discard = true;
+                std::mem::take(&mut b.q)
+            }
+            None => VecDeque::new(),
+        }
+    }
+
+    /// Wakes `qp`'s sleeper now, as a completion would (it has mail already); says whom
+    /// to signal.
+    fn wake_now(&mut self, qp: u32, w: Watch) -> Option<Wake> {
+        self.boxes.get(&qp)?;
+        match w {
+            Watch::None => None,
+            Watch::Worker(w) => {
+                let first = self.woken.is_empty();
+                if !self.woken.contains(&(w, qp)) {
+                    self.woken.push((w, qp));
+                }
+                first.then_some(Wake::Hub)
+            }
+            Watch::Lone(fd) => Some(Wake::Lone(fd)),
+        }
     }
 
     /// Queues a completion of `qp` (dropped when no connection has that queue pair: a
@@ -630,6 +665,14 @@ impl HubState {
     /// Opens `qp`'s mailbox (see [`Demux::open`]).
     fn open(&mut self, qp: u32) {
         for wc in self.demux.open(qp) {
+            give_back(self.pool.as_deref(), wc);
+        }
+    }
+
+    /// Stops queueing `qp`'s completions (a failed connection's); shared receive buffers
+    /// of those queued and of those to come go back.
+    fn discard(&mut self, qp: u32) {
+        for wc in self.demux.discard(qp) {
             give_back(self.pool.as_deref(), wc);
         }
     }
@@ -888,6 +931,11 @@ fn srq_buffers(opts: &Options, max_cqe: u32, max_srq_wr: u32) -> Result<u32> {
              receive queue cannot keep apart per connection"
         )));
     }
+    if n > SRQ_MAX as usize {
+        return Err(Error::InvalidArgument(format!(
+            "Options::verbs_srq_buffers {n}: 0 (off) or 1 to {SRQ_MAX}"
+        )));
+    }
     if max_srq_wr == 0 {
         return Err(Error::Unsupported {
             transport: TransportKind::Verbs,
@@ -897,9 +945,8 @@ fn srq_buffers(opts: &Options, max_cqe: u32, max_srq_wr: u32) -> Result<u32> {
     let most = (max_cqe / 2).min(max_srq_wr).min(SRQ_MAX);
     if n > most as usize {
         return Err(Error::InvalidArgument(format!(
-            "Options::verbs_srq_buffers {n}: 0 (off) or 1 to {most} on this device (at most \
-             {SRQ_MAX}, half its largest CQ of {max_cqe} entries, and its largest SRQ, \
-             {max_srq_wr})"
+            "Options::verbs_srq_buffers {n}: 0 (off) or 1 to {most} on this device (half its \
+             largest CQ of {max_cqe} entries, and at most its largest SRQ, {max_srq_wr})"
         )));
     }
     Ok(n as u32)
@@ -1308,6 +1355,7 @@ fn finish(
         attached: None,
         idle: 0,
         armed: false,
+        discarded: false,
         _pd: p.pd,
         domain: domain.clone(),
     };
@@ -1745,6 +1793,8 @@ struct VerbsHal {
     idle: u32,
     /// Its mailbox is watched (`arm` returned true).
     armed: bool,
+    /// The connection failed and its mailbox discards (shared receive queue only).
+    discarded: bool,
     _pd: ib::ProtectionDomain,
     /// For flushes (the domain's loopback queue pair).
     domain: Domain,
@@ -2112,47 +2162,26 @@ impl Hal for VerbsHal {
         }
     }
 
+    fn progress(&mut self, t: &mut Tracker) -> Result<()> {
+        let r = self.progress_inner(t);
+        if self.shared() && !self.discarded && (r.is_err() || t.failure().is_some()) {
+            // A failed connection is not progressed any more (the endpoint skips it, a
+            // worker leaves it dormant): its shared receive buffers, held or still to
+            // complete, must not wait for it.
+            self.discarded = true;
+            self.armed = false;
+            self.seat.hub.lock().discard(self.qp_num);
+            if let Some(e) = self.eager.as_mut() {
+                e.release_held();
+            }
+        }
+        r
+    }
+
     fn attach_worker(&mut self, worker: Option<u64>) -> Option<u64> {
         self.unwatch();
         self.attached = worker;
         Some((u64::from(self.seat.hub.index) << 32) | u64::from(self.qp_num))
-    }
-
-    fn progress(&mut self, t: &mut Tracker) -> Result<()> {
-        if self.armed {
-            self.unwatch();
-            if self.attached.is_none() {
-                // Woken alone: take the channel's event (the worker does that for those
-                // it holds) and our eventfd's signal.
-                if let Some(l) = self.lone() {
-                    sys::eventfd_drain(l.event.as_fd());
-                }
-                let hub = &self.seat.hub;
-                hub.settle(&mut hub.lock())?;
-            }
-            self.idle = CHECK_EVERY - 1;
-        }
-        let mut moved = self.submit(t)?;
-        moved |= self.reap(t)?;
-        if moved {
-            self.idle = 0;
-            // Completions may have freed queue entries.
-            self.submit(t)?;
-        } else {
-            self.idle += 1;
-            if self.idle >= CHECK_EVERY {
-                self.idle = 0;
-                if sys::peer_hung_up(self.sock.as_fd()) {
-                    while self.reap(t)? {}
-                    let _ = self.qp.set_error();
-                    t.fail_all(Status::PeerGone, "verbs peer hung up (side channel closed)");
-                    if let Some(e) = self.eager.as_mut() {
-                        e.release_held();
-                    }
-                }
-            }
-        }
-        Ok(())
     }
 
     /// A post only hands what the tracker queued to the queue pair (one doorbell for all
@@ -2195,11 +2224,69 @@ impl Hal for VerbsHal {
         st.req_notify()?;
         // A completion that landed before the arm raises no event: route what the CQ has.
         st.pump(hub.event.as_fd(), None, &mut |_| {})?;
-        if t.ready_len() > 0 || st.demux.has_mail(me) || sys::peer_hung_up(self.sock.as_fd()) {
+        if t.ready_len() > 0 || sys::peer_hung_up(self.sock.as_fd()) {
             return Ok(false);
+        }
+        if st.demux.has_mail(me) {
+            if !self.shared() {
+                return Ok(false);
+            }
+            // Shared receive queue: the mail may hold shared buffers, which must not wait
+            // for the caller's next post (a worker leaves an endpoint with nothing in
+            // flight alone until then, "dormant"). Sleep, and wake at once as a new
+            // completion would: the worker progresses it on its next round.
+            if let Some(w) = st.demux.wake_now(me, watch) {
+                signal(w, hub.event.as_fd());
+            }
+            self.armed = true;
+            return Ok(true);
         }
         self.armed = st.demux.watch(me, watch);
         Ok(self.armed)
+    }
+}
+
+impl VerbsHal {
+    /// Its receives come from the domain's shared receive queue.
+    fn shared(&self) -> bool {
+        self.eager.as_ref().is_some_and(|e| e.pool().is_some())
+    }
+
+    fn progress_inner(&mut self, t: &mut Tracker) -> Result<()> {
+        if self.armed {
+            self.unwatch();
+            if self.attached.is_none() {
+                // Woken alone: take the channel's event (the worker does that for those
+                // it holds) and our eventfd's signal.
+                if let Some(l) = self.lone() {
+                    sys::eventfd_drain(l.event.as_fd());
+                }
+                let hub = &self.seat.hub;
+                hub.settle(&mut hub.lock())?;
+            }
+            self.idle = CHECK_EVERY - 1;
+        }
+        let mut moved = self.submit(t)?;
+        moved |= self.reap(t)?;
+        if moved {
+            self.idle = 0;
+            // Completions may have freed queue entries.
+            self.submit(t)?;
+        } else {
+            self.idle += 1;
+            if self.idle >= CHECK_EVERY {
+                self.idle = 0;
+                if sys::peer_hung_up(self.sock.as_fd()) {
+                    while self.reap(t)? {}
+                    let _ = self.qp.set_error();
+                    t.fail_all(Status::PeerGone, "verbs peer hung up (side channel closed)");
+                    if let Some(e) = self.eager.as_mut() {
+                        e.release_held();
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -2257,6 +2344,40 @@ mod tests {
         assert_eq!(hold_limits(64), (8, 32));
         assert_eq!(hold_limits(1), (1, 1));
         assert_eq!(hold_limits(7), (1, 3));
+    }
+
+    #[test]
+    fn a_discarding_mailbox_queues_nothing_and_wakes_nobody() {
+        let mut d = Demux::default();
+        d.open(5);
+        assert!(d.watch(5, Watch::Worker(1)));
+        d.route(5, wc(1));
+        assert!(d.route(5, wc(2)).is_none());
+        assert_eq!(d.discard(5), VecDeque::from([wc(1), wc(2)]));
+        assert!(d.woken.is_empty());
+        assert_eq!(d.watchers, 0);
+        // Pump checks `is_open` before routing: a discarding mailbox is not.
+        assert!(!d.is_open(5));
+        assert!(!d.has_mail(5));
+        assert!(d.close(5).is_empty());
+    }
+
+    #[test]
+    fn waking_now_tells_the_worker_once() {
+        let mut d = Demux::default();
+        d.open(1);
+        d.open(2);
+        assert!(matches!(d.wake_now(1, Watch::Worker(7)), Some(Wake::Hub)));
+        assert!(d.wake_now(1, Watch::Worker(7)).is_none());
+        assert!(d.wake_now(2, Watch::Worker(7)).is_none());
+        assert_eq!(d.woken, vec![(7, 1), (7, 2)]);
+        assert_eq!(d.watchers, 0);
+        assert!(d.wake_now(3, Watch::Worker(7)).is_none(), "no mailbox");
+        let fd = Arc::new(sys::eventfd().unwrap());
+        assert!(matches!(
+            d.wake_now(2, Watch::Lone(fd)),
+            Some(Wake::Lone(_))
+        ));
     }
 
     #[test]
