@@ -297,20 +297,42 @@ fn verbs_srq_one_flooded_endpoint_does_not_starve_the_others() {
     let mut next = vec![0usize; N];
     let (mut got, mut flood_done) = (0, 0);
     let mut flood_status = HashMap::new();
-    drive(&mut wa, &mut wb, |from_a, ev| {
-        let c = &ev.completion;
-        if from_a {
+    let mut evs = events(32);
+    let t0 = Instant::now();
+    let mut others_done = None;
+    // The others' messages all arrive; the flooded endpoint fails at this side, which
+    // hangs up, so the flood's sends end too (as PeerGone past the ones that landed).
+    while got < (N - 1) * M || flood_done < FLOOD {
+        let n = wa.poll(&mut evs).unwrap();
+        for ev in &mut evs[..n] {
             // The flooded endpoint has nothing posted: nothing of it comes out here.
-            check_recv(&ev, index[&ev.endpoint], &mut next);
+            check_recv(ev, index[&ev.endpoint], &mut next);
             got += 1;
-        } else if ev.endpoint == eb[0] {
-            *flood_status.entry(format!("{:?}", c.status)).or_insert(0) += 1;
-            flood_done += 1;
-        } else {
-            assert_eq!(c.status, Status::Success, "{c:?}");
         }
-        got == (N - 1) * M && flood_done == FLOOD
-    });
+        let m = wb.poll(&mut evs).unwrap();
+        for ev in &mut evs[..m] {
+            let c = &ev.completion;
+            if ev.endpoint == eb[0] {
+                *flood_status.entry(format!("{:?}", c.status)).or_insert(0) += 1;
+                flood_done += 1;
+            } else {
+                assert_eq!(c.status, Status::Success, "{c:?}");
+            }
+        }
+        if got == (N - 1) * M && others_done.is_none() {
+            others_done = Some(t0.elapsed());
+        }
+        if n + m == 0 {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+        assert!(
+            t0.elapsed() < DEADLINE,
+            "stalled: {got} of {} messages to the others arrived (next {next:?}), {flood_done} \
+             of the {FLOOD} flood sends ended ({flood_status:?}); {:?}",
+            (N - 1) * M,
+            verbs::srq_stats(&a)
+        );
+    }
     assert_eq!(&next[1..], &vec![M; N - 1][..]);
     // The flooded endpoint gave up, typed, and says why.
     let e = wa
@@ -320,14 +342,21 @@ fn verbs_srq_one_flooded_endpoint_does_not_starve_the_others() {
         matches!(&e.error, Error::Disconnected(m) if m.contains("verbs_srq_buffers")),
         "{e}"
     );
-    // Its shared buffers came back.
-    let s = verbs::srq_stats(&a).unwrap();
+    // Its shared buffers came back (once the CQ's last completions were taken).
+    let end = Instant::now() + DEADLINE;
+    let s = loop {
+        let s = verbs::srq_stats(&a).unwrap();
+        if s.posted == SRQ || Instant::now() > end {
+            break s;
+        }
+        assert_eq!(wa.poll(&mut evs).unwrap(), 0);
+    };
     assert_eq!((s.posted, s.held, s.lost), (SRQ, 0, 0), "{s:?}");
     println!(
-        "verbs srq: {} messages reached the {} other endpoints while one was flooded with \
-         {FLOOD} (sender's outcomes {flood_status:?}); the flooded one failed: {}",
-        got,
+        "verbs srq: {got} messages reached the {} other endpoints (in {:?}) while one was \
+         flooded with {FLOOD} (sender's outcomes {flood_status:?}); the flooded one failed: {}",
         N - 1,
+        others_done.unwrap(),
         e.error
     );
 }

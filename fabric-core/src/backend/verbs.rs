@@ -2171,6 +2171,9 @@ impl Hal for VerbsHal {
             self.discarded = true;
             self.armed = false;
             self.seat.hub.lock().discard(self.qp_num);
+            // Tell the peer at once (a hang-up): its sends would otherwise retry against a
+            // queue pair in the error state (rxe retries without limit at retry_cnt 7).
+            let _ = self.sock.shutdown(std::net::Shutdown::Both);
             if let Some(e) = self.eager.as_mut() {
                 e.release_held();
             }
