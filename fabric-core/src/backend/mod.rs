@@ -133,7 +133,7 @@ pub struct Options {
     /// no posted receive matches is copied into the connection's unexpected queue whether
     /// or not receives are posted, and its buffer goes back to the SRQ at once; only when
     /// that queue is full does the connection keep the buffer, at most `max(1, n / 8)` per
-    /// connection and `n / 2` in all: a connection that would need more fails
+    /// connection and `max(1, n / 2)` in all: a connection that would need more fails
     /// (`ProtocolError`), so one flooding peer never starves the others. Local (the peer
     /// need not agree). 1 to 65,536 and at most half the device's largest CQ; set without
     /// `verbs_eager_bytes`, the domain refuses to open (`InvalidArgument`): without eager
