@@ -125,7 +125,7 @@ pub struct Options {
     /// `MessageTooLarge`; receives and one-sided operations keep `max_message`). Both
     /// peers must set the same value (the handshake refuses a mismatch).
     pub verbs_eager_bytes: usize,
-    /// verbs, eager mode only: bounce buffers (of `verbs_eager_bytes` each) in ONE shared
+    /// verbs, eager mode only: bounce buffers (of `verbs_eager_bytes` each) in one shared
     /// receive queue (SRQ) per domain, from which every queue pair of the domain takes its
     /// receives, instead of 32 registered per connection; 0 (the default, or
     /// `FABRIC_VERBS_SRQ_BUFFERS`) keeps one receive queue per connection. The receive
@@ -138,7 +138,8 @@ pub struct Options {
     /// need not agree). 1 to 65,536 and at most half the device's largest CQ; set without
     /// `verbs_eager_bytes`, the domain refuses to open (`InvalidArgument`): without eager
     /// mode receives land straight in the caller's buffers, which an SRQ cannot route to
-    /// the connection they were posted on.
+    /// the connection they were posted on (so set `FABRIC_VERBS_SRQ_BUFFERS` only together
+    /// with `FABRIC_VERBS_EAGER_BYTES`).
     pub verbs_srq_buffers: usize,
 }
 
