@@ -11,7 +11,9 @@
 //!   endpoints connect (one registration per endpoint, its tag headers, against two
 //!   without the SRQ);
 //! * a peer that dies among SRQ endpoints fails only its endpoint, and the buffers its
-//!   endpoint held come back to the SRQ.
+//!   endpoint held come back to the SRQ;
+//! * messages kept in shared buffers (the unexpected queue full) come out to their tags
+//!   once receives are posted, and the buffers go back.
 //!
 //! Both ends live in this process (one thread drives two workers, one per domain).
 
@@ -511,4 +513,74 @@ fn verbs_srq_peer_death_fails_only_its_endpoint() {
          {} others; its held buffer returned ({s:?})",
         others.len()
     );
+}
+
+#[test]
+fn verbs_srq_held_messages_come_out_in_order_once_received() {
+    const K: usize = 0;
+    const SENT: usize = 6;
+    let test = "verbs_srq_held_messages_come_out_in_order_once_received";
+    // Two messages fit the unexpected queue; the next four keep their shared buffers.
+    let oa = Options {
+        unexpected_messages: 2,
+        ..opts(SRQ)
+    };
+    let Some(a) = open(&oa, test) else {
+        return;
+    };
+    let b = open(&opts(SRQ), test).unwrap();
+    let (mut wa, mut wb, ea, eb) = workers(&a, &b, 2);
+    let tx = b.register(SENT * SLOT, Access::empty()).unwrap();
+    let rx = a.register(SENT * SLOT, Access::empty()).unwrap();
+    for seq in 0..SENT {
+        send_tagged(&mut wb, eb[K], &tx, seq, K, seq);
+    }
+    let mut sent = 0;
+    drive(&mut wa, &mut wb, |from_a, ev| {
+        assert!(!from_a, "{:?}", ev.completion);
+        assert_eq!(ev.completion.status, Status::Success);
+        sent += 1;
+        sent == SENT
+    });
+    let end = Instant::now() + DEADLINE;
+    let mut evs = events(4);
+    while verbs::srq_stats(&a).unwrap().held != SENT - 2 {
+        assert_eq!(wa.poll(&mut evs).unwrap(), 0);
+        assert!(Instant::now() < end, "{:?}", verbs::srq_stats(&a));
+    }
+    let s = verbs::srq_stats(&a).unwrap();
+    assert_eq!(s.posted, SRQ - (SENT - 2), "{s:?}");
+    // Receives posted newest tag first: each takes its own message, whichever way it waited.
+    for seq in (0..SENT).rev() {
+        recv_tagged(&mut wa, ea[K], &rx, seq, K, seq);
+    }
+    let mut got = HashMap::new();
+    drive(&mut wa, &mut wb, |from_a, ev| {
+        assert!(from_a, "{:?}", ev.completion);
+        let c = &ev.completion;
+        assert_eq!(
+            (ev.endpoint, c.op, c.status),
+            (ea[K], OpKind::Recv, Status::Success)
+        );
+        let seq = (c.tag & 0xffff_ffff) as usize;
+        assert_eq!(c.wr_id, c.tag, "tag {seq} went to another receive");
+        assert_eq!(
+            &c.buf.as_ref().unwrap().to_vec()[..c.len],
+            &message(K, seq)[..]
+        );
+        got.insert(seq, ());
+        got.len() == SENT
+    });
+    let s = verbs::srq_stats(&a).unwrap();
+    assert_eq!((s.posted, s.held, s.lost), (SRQ, 0, 0), "{s:?}");
+    // The connection goes on: one more message each way of the pair.
+    recv_tagged(&mut wa, ea[K], &rx, 0, K, SENT);
+    send_tagged(&mut wb, eb[K], &tx, 0, K, SENT);
+    let mut left = 2;
+    drive(&mut wa, &mut wb, |_, ev| {
+        assert_eq!(ev.completion.status, Status::Success);
+        left -= 1;
+        left == 0
+    });
+    println!("verbs srq: 2 messages queued unexpected and 4 held in shared buffers, all delivered to their tags once received; buffers back ({s:?})");
 }
