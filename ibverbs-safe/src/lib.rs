@@ -372,6 +372,7 @@ pub use qp::{
     Rc, Scope, SendBatch, SendRequest, Transport, Uc, Ud, UdDest, MAX_BATCH,
 };
 pub use result::drop_failures;
+pub use srq::SharedReceiveQueue;
 
 /// Device-free entry points to the host-side checks made before a post, for the fuzz
 /// targets in `fuzz/` and tests. Not a stable API.

@@ -126,6 +126,22 @@ pub struct Options {
     /// `MessageTooLarge`; receives and one-sided operations keep `max_message`). Both
     /// peers must set the same value (the handshake refuses a mismatch).
     pub verbs_eager_bytes: usize,
+    /// verbs, eager mode only: bounce buffers (of `verbs_eager_bytes` each) in one shared
+    /// receive queue (SRQ) per domain, from which every queue pair of the domain takes its
+    /// receives, instead of 32 registered per connection; 0 (the default, or
+    /// `FABRIC_VERBS_SRQ_BUFFERS`) keeps one receive queue per connection. The receive
+    /// memory of a domain is then this many buffers however many peers connect. A message
+    /// no posted receive matches is copied into the connection's unexpected queue whether
+    /// or not receives are posted, and its buffer goes back to the SRQ at once; only when
+    /// that queue is full does the connection keep the buffer, at most `max(1, n / 8)` per
+    /// connection and `max(1, n / 2)` in all: a connection that would need more fails
+    /// (`ProtocolError`), so one flooding peer never starves the others. Local (the peer
+    /// need not agree). 1 to 65,536 and at most half the device's largest CQ; set without
+    /// `verbs_eager_bytes`, the domain refuses to open (`InvalidArgument`): without eager
+    /// mode receives land straight in the caller's buffers, which an SRQ cannot route to
+    /// the connection they were posted on (so set `FABRIC_VERBS_SRQ_BUFFERS` only together
+    /// with `FABRIC_VERBS_EAGER_BYTES`).
+    pub verbs_srq_buffers: usize,
 }
 
 /// Most parts of one grouped receive (shm, tcp).
@@ -148,6 +164,7 @@ impl Default for Options {
             unexpected_messages: 1024,
             unexpected_bytes: 4 << 20,
             verbs_eager_bytes: env_usize("FABRIC_VERBS_EAGER_BYTES").unwrap_or(0),
+            verbs_srq_buffers: env_usize("FABRIC_VERBS_SRQ_BUFFERS").unwrap_or(0),
         }
     }
 }

@@ -32,9 +32,31 @@
 //!   queue pair and its side socket. A connection used alone waits on an epoll of the
 //!   channel, its socket and its own eventfd, made on first need. The lock around the CQ
 //!   is uncontended unless connections of one domain are polled from several threads.
-//!   Not built: a shared receive queue (SRQ) per domain; the mailboxes already route by
-//!   `qp_num`, so receives posted to an SRQ would complete through the same path, and the
-//!   eager mode's bounce buffers are what would move there.
+//! * One receive queue for many connections (eager mode with
+//!   [`Options::verbs_srq_buffers`]): the domain makes one shared receive queue (SRQ) with
+//!   that many bounce buffers, registered once, and every queue pair of the domain (of
+//!   every hub) takes its receives from it, so a connection costs a queue pair and a
+//!   socket, not 32 registered buffers. The SRQ's completions come through the hub's CQ
+//!   and mailboxes like any other (by `qp_num`); the connection copies the message out as
+//!   with its own buffers and reposts the buffer to the SRQ (one lock of the SRQ per
+//!   message, besides the hub's). A hub reserves CQ entries for every SRQ buffer once,
+//!   not per queue pair. A message no receive matches goes to the unexpected queue even
+//!   while no receive is posted, and its buffer straight back; a connection keeps shared
+//!   buffers only while that queue is full, within bounds (`SrqPool`), beyond which it
+//!   fails alone rather than starve the others (its side socket is shut down, so the
+//!   peer learns at once); buffers of closed or failed connections come back to the SRQ
+//!   (a failed connection's mailbox stops queueing and hands them straight back, since
+//!   nothing progresses it again). An armed connection whose mailbox has mail already
+//!   sleeps and wakes itself at once instead of reporting work: a worker would leave one
+//!   with nothing of the caller's in flight dormant, and its shared buffers with it. A
+//!   momentarily empty SRQ makes senders retry (receiver not ready, without limit), so in
+//!   eager mode, shared or not, more messages than buffers reach a receiver only while it
+//!   is progressed. [`srq_stats`] reports the queue. (256 idle endpoints of one worker in
+//!   the Soft-RoCE guest, 4,104-byte buffers: 293.5 KiB resident per endpoint with an SRQ
+//!   of 64, 439.8 KiB with 32 buffers each.) Without eager mode the option is
+//!   refused (`InvalidArgument`): receives then land in the caller's own buffers, posted
+//!   per connection, and an SRQ would hand them to whichever connection's message came
+//!   first.
 //! * Eager mode ([`Options::verbs_eager_bytes`], both peers alike, agreed in the hello):
 //!   messages land in registered bounce buffers with an 8-byte tag header and are matched
 //!   by the tracker, so tags, grouped receives and the unexpected queue work as on shm and
@@ -49,6 +71,7 @@ use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Instant;
 
@@ -92,6 +115,11 @@ struct VerbsDomain {
     hubs: Mutex<Vec<Weak<Hub>>>,
     /// The queue pair connected to itself that flushes read through (made on first need).
     loopback: Mutex<Option<Loopback>>,
+    /// [`Options::verbs_srq_buffers`], checked (0: no shared receive queue).
+    srq_buffers: u32,
+    /// The shared receive queue of eager mode (made with the first connection; every hub
+    /// holds it too).
+    srq: Mutex<Option<Arc<SrqPool>>>,
 }
 
 impl std::fmt::Debug for VerbsDomain {
@@ -106,13 +134,19 @@ impl std::fmt::Debug for VerbsDomain {
 
 impl VerbsDomain {
     fn open(opts: &Options) -> Result<Self> {
+        // What needs no device first (the eager mode), so a host without one says it too.
+        srq_buffers(opts, u32::MAX, u32::MAX)?;
         let (device, port, gid) = probe_with(opts)?;
         let e = |e: ib::Error| unavailable(e.to_string());
         let ctx = ib::open(Some(&device)).map_err(e)?;
         let pd = ctx.alloc_pd().map_err(e)?;
-        let max_cqe = ctx
-            .query_device()
-            .map_or(CQ_DEPTH, |a| a.max_cqe.max(CQ_DEPTH));
+        let attr = ctx.query_device().ok();
+        let max_cqe = attr.as_ref().map_or(CQ_DEPTH, |a| a.max_cqe.max(CQ_DEPTH));
+        let srq_buffers = srq_buffers(
+            opts,
+            max_cqe,
+            attr.as_ref().map_or(u32::MAX, |a| a.max_srq_wr),
+        )?;
         Ok(VerbsDomain {
             ctx,
             pd,
@@ -122,6 +156,8 @@ impl VerbsDomain {
             max_cqe,
             hubs: Mutex::new(Vec::new()),
             loopback: Mutex::new(None),
+            srq_buffers,
+            srq: Mutex::new(None),
         })
     }
 }
@@ -380,8 +416,10 @@ struct Wc {
     status: ib::WcStatus,
     byte_len: u32,
     imm: Option<u32>,
-    /// From the receive queue.
+    /// From the receive queue (the queue pair's own or the shared one).
     recv: bool,
+    /// From the domain's shared receive queue (`wr_id` is the buffer's index there).
+    srq: bool,
 }
 
 /// Who sleeps until a connection's mailbox gets a completion.
@@ -407,6 +445,9 @@ enum Wake {
 struct Mailbox {
     q: VecDeque<Wc>,
     watch: Watch,
+    /// The connection failed and is not progressed any more: its completions are not
+    /// queued (their shared receive buffers go straight back to the SRQ).
+    discard: bool,
 }
 
 /// The I/O-free core of a shared CQ: one mailbox per queue pair (by `qp_num`) for the
@@ -422,18 +463,60 @@ struct Demux {
 }
 
 impl Demux {
-    fn open(&mut self, qp: u32) {
-        self.close(qp);
+    /// Opens `qp`'s mailbox; hands back what a stale one of the same number held.
+    fn open(&mut self, qp: u32) -> VecDeque<Wc> {
+        let left = self.close(qp);
         self.boxes.insert(qp, Mailbox::default());
+        left
     }
 
-    fn close(&mut self, qp: u32) {
+    /// Forgets `qp`'s mailbox and hands back the completions still in it.
+    fn close(&mut self, qp: u32) -> VecDeque<Wc> {
+        let mut left = VecDeque::new();
         if let Some(b) = self.boxes.remove(&qp) {
             if !matches!(b.watch, Watch::None) {
                 self.watchers -= 1;
             }
+            left = b.q;
         }
         self.woken.retain(|&(_, k)| k != qp);
+        left
+    }
+
+    /// Whether completions of `qp` are queued for it (its mailbox is open and not
+    /// discarding).
+    fn is_open(&self, qp: u32) -> bool {
+        self.boxes.get(&qp).is_some_and(|b| !b.discard)
+    }
+
+    /// From now on `qp`'s completions are not queued; hands back those queued.
+    fn discard(&mut self, qp: u32) -> VecDeque<Wc> {
+        self.unwatch(qp);
+        self.woken.retain(|&(_, k)| k != qp);
+        match self.boxes.get_mut(&qp) {
+            Some(b) => {
+                b.discard = true;
+                std::mem::take(&mut b.q)
+            }
+            None => VecDeque::new(),
+        }
+    }
+
+    /// Wakes `qp`'s sleeper now, as a completion would (it has mail already); says whom
+    /// to signal.
+    fn wake_now(&mut self, qp: u32, w: Watch) -> Option<Wake> {
+        self.boxes.get(&qp)?;
+        match w {
+            Watch::None => None,
+            Watch::Worker(w) => {
+                let first = self.woken.is_empty();
+                if !self.woken.contains(&(w, qp)) {
+                    self.woken.push((w, qp));
+                }
+                first.then_some(Wake::Hub)
+            }
+            Watch::Lone(fd) => Some(Wake::Lone(fd)),
+        }
     }
 
     /// Queues a completion of `qp` (dropped when no connection has that queue pair: a
@@ -497,6 +580,9 @@ struct Hub {
     /// connection polled (no CQ event announces that one).
     event: OwnedFd,
     capacity: u32,
+    /// The domain's shared receive queue (eager mode with `verbs_srq_buffers`): every
+    /// queue pair of this hub takes its receives from it.
+    pool: Option<Arc<SrqPool>>,
     st: Mutex<HubState>,
 }
 
@@ -511,6 +597,8 @@ struct HubState {
     /// Reservations of closed queue pairs, returned once the CQ was seen empty (their
     /// flushed completions are gone by then).
     closing: u32,
+    /// The hub's `pool` again, for the buffers of closed connections' completions.
+    pool: Option<Arc<SrqPool>>,
 }
 
 impl std::fmt::Debug for Hub {
@@ -526,6 +614,13 @@ fn signal(w: Wake, hub_event: BorrowedFd<'_>) {
     match w {
         Wake::Hub => sys::eventfd_signal(hub_event),
         Wake::Lone(fd) => sys::eventfd_signal(fd.as_fd()),
+    }
+}
+
+/// Hands the shared receive buffer of `wc` (if it names one) back to `pool`.
+fn give_back(pool: Option<&SrqPool>, wc: Wc) {
+    if let (true, Some(p)) = (wc.srq, pool) {
+        p.give_back(wc.wr_id as usize);
     }
 }
 
@@ -551,7 +646,8 @@ impl HubState {
                     status: c.status(),
                     byte_len: c.byte_len(),
                     imm: c.imm(),
-                    recv: queue == Some(ib::QueueKind::Recv),
+                    recv: matches!(queue, Some(ib::QueueKind::Recv | ib::QueueKind::Srq)),
+                    srq: queue == Some(ib::QueueKind::Srq),
                 };
                 let qp = c.qp_num();
                 drop(c.take_bufs());
@@ -561,6 +657,9 @@ impl HubState {
                 if Some(qp) == mine {
                     own(wc);
                     total += 1;
+                } else if !self.demux.is_open(qp) {
+                    // A closed connection's: a shared buffer goes back to the SRQ.
+                    give_back(self.pool.as_deref(), wc);
                 } else if let Some(w) = self.demux.route(qp, wc) {
                     signal(w, hub_event);
                 }
@@ -569,6 +668,28 @@ impl HubState {
                 self.reserved -= std::mem::take(&mut self.closing);
                 return Ok(total);
             }
+        }
+    }
+
+    /// Opens `qp`'s mailbox (see [`Demux::open`]).
+    fn open(&mut self, qp: u32) {
+        for wc in self.demux.open(qp) {
+            give_back(self.pool.as_deref(), wc);
+        }
+    }
+
+    /// Stops queueing `qp`'s completions (a failed connection's); shared receive buffers
+    /// of those queued and of those to come go back.
+    fn discard(&mut self, qp: u32) {
+        for wc in self.demux.discard(qp) {
+            give_back(self.pool.as_deref(), wc);
+        }
+    }
+
+    /// Closes `qp`'s mailbox; shared receive buffers of completions left in it go back.
+    fn close(&mut self, qp: u32) {
+        for wc in self.demux.close(qp) {
+            give_back(self.pool.as_deref(), wc);
         }
     }
 
@@ -640,7 +761,7 @@ impl Drop for Seat {
     fn drop(&mut self) {
         let mut st = self.hub.lock();
         if let Some(q) = self.qp_num {
-            st.demux.close(q);
+            st.close(q);
         }
         st.closing += self.depth;
     }
@@ -648,8 +769,9 @@ impl Drop for Seat {
 
 impl VerbsDomain {
     /// A shared CQ with room for a queue pair of `depth` work requests (the first with room,
-    /// else a new one).
-    fn seat(&self, depth: u32) -> Result<Seat> {
+    /// else a new one). A new CQ also reserves room for every buffer of the shared receive
+    /// queue `pool` (its receives may all complete there).
+    fn seat(&self, depth: u32, pool: Option<&Arc<SrqPool>>) -> Result<Seat> {
         let mut hubs = self.hubs.lock().unwrap_or_else(|e| e.into_inner());
         for h in hubs.iter().filter_map(Weak::upgrade) {
             let mut st = h.lock();
@@ -666,7 +788,8 @@ impl VerbsDomain {
         let e = |e: ib::Error| unavailable(e.to_string());
         let channel = self.ctx.create_comp_channel().map_err(e)?;
         channel.set_nonblocking(true).map_err(e)?;
-        let want = HUB_CQE.min(self.max_cqe).max(depth);
+        let base = pool.map_or(0, |p| p.count as u32);
+        let want = HUB_CQE.min(self.max_cqe).max(depth + base);
         let cq = self.ctx.create_cq_with_channel(want, &channel).map_err(e)?;
         let capacity = cq.capacity().max(want);
         let index = match hubs.iter().position(|w| w.strong_count() == 0) {
@@ -681,13 +804,15 @@ impl VerbsDomain {
             channel,
             event: sys::eventfd()?,
             capacity,
+            pool: pool.cloned(),
             st: Mutex::new(HubState {
                 cq,
                 wcs: ib::Completion::buffer(64),
                 demux: Demux::default(),
                 notify: false,
-                reserved: depth,
+                reserved: base + depth,
                 closing: 0,
+                pool: pool.cloned(),
             }),
         });
         hubs[index] = Arc::downgrade(&hub);
@@ -801,6 +926,59 @@ fn eager_bytes(opts: &Options) -> Result<usize> {
     }
 }
 
+/// [`Options::verbs_srq_buffers`], checked against the eager mode and the device (its
+/// largest CQ and SRQ).
+fn srq_buffers(opts: &Options, max_cqe: u32, max_srq_wr: u32) -> Result<u32> {
+    let n = opts.verbs_srq_buffers;
+    if n == 0 {
+        return Ok(0);
+    }
+    if opts.verbs_eager_bytes == 0 {
+        return Err(Error::InvalidArgument(format!(
+            "Options::verbs_srq_buffers {n} needs the eager mode (Options::verbs_eager_bytes): \
+             without it receives land straight in the caller's buffers, which a shared \
+             receive queue cannot keep apart per connection"
+        )));
+    }
+    if n > SRQ_MAX as usize {
+        return Err(Error::InvalidArgument(format!(
+            "Options::verbs_srq_buffers {n}: 0 (off) or 1 to {SRQ_MAX}"
+        )));
+    }
+    if max_srq_wr == 0 {
+        return Err(Error::Unsupported {
+            transport: TransportKind::Verbs,
+            what: "shared receive queues on this device (Options::verbs_srq_buffers)",
+        });
+    }
+    let most = (max_cqe / 2).min(max_srq_wr).min(SRQ_MAX);
+    if n > most as usize {
+        return Err(Error::InvalidArgument(format!(
+            "Options::verbs_srq_buffers {n}: 0 (off) or 1 to {most} on this device (half its \
+             largest CQ of {max_cqe} entries, and at most its largest SRQ, {max_srq_wr})"
+        )));
+    }
+    Ok(n as u32)
+}
+
+/// Most buffers of a shared receive queue.
+const SRQ_MAX: u32 = 1 << 16;
+
+impl VerbsDomain {
+    /// The domain's shared receive queue of `eager`-byte buffers (made on first need);
+    /// `None` without [`Options::verbs_srq_buffers`] or the eager mode.
+    fn srq_pool(&self, eager: usize) -> Result<Option<Arc<SrqPool>>> {
+        if self.srq_buffers == 0 || eager == 0 {
+            return Ok(None);
+        }
+        let mut g = self.srq.lock().unwrap_or_else(|e| e.into_inner());
+        if g.is_none() {
+            *g = Some(SrqPool::new(&self.pd, self.srq_buffers, eager)?);
+        }
+        Ok(g.clone())
+    }
+}
+
 fn prepare(domain: &Domain) -> Result<Prepared> {
     let opts = domain.options();
     let vd = verbs_domain(domain)?;
@@ -809,11 +987,19 @@ fn prepare(domain: &Domain) -> Result<Prepared> {
     let pd = vd.pd.clone();
     let depth = (opts.max_in_flight as u32).clamp(1, CQ_DEPTH / 2);
     let eager = eager_bytes(opts)?;
-    // Eager mode: the receive queue holds the bounce buffers, not the caller's receives.
+    let pool = vd.srq_pool(eager)?;
+    // Eager mode: the receive queue holds the bounce buffers, not the caller's receives
+    // (with a shared receive queue the queue pair has none; the hub reserved its entries).
     let recv_wr = if eager > 0 { EAGER_SLOTS } else { depth };
-    let mut seat = vd.seat(depth + if eager > 0 { EAGER_SLOTS } else { 0 })?;
+    let own_rq = if eager > 0 && pool.is_none() {
+        EAGER_SLOTS
+    } else {
+        0
+    };
+    let mut seat = vd.seat(depth + own_rq, pool.as_ref())?;
     let qp = {
         let st = seat.hub.lock();
+        let srq = seat.hub.pool.as_ref().map(|p| p.lock());
         let mut b = pd
             .queue_pair(&st.cq, &st.cq)
             .port(port)
@@ -824,10 +1010,13 @@ fn prepare(domain: &Domain) -> Result<Prepared> {
         if let Some(g) = gid {
             b = b.gid_index(g);
         }
+        if let Some(srq) = &srq {
+            b = b.srq(&srq.srq);
+        }
         b.build_rc().map_err(e)?
     };
     let q = qp.qp_num();
-    seat.hub.lock().demux.open(q);
+    seat.hub.lock().open(q);
     seat.qp_num = Some(q);
     Ok(Prepared {
         qp,
@@ -1086,14 +1275,22 @@ fn finish(
         remote_error_kills_connection: true,
     };
     let eager = if eager {
+        let rx = match &p.seat.hub.pool {
+            Some(pool) => Bounce::Shared(pool.clone()),
+            None => {
+                Bounce::Own(domain.register(EAGER_SLOTS as usize * p.eager, Access::LOCAL_WRITE)?)
+            }
+        };
         let e = Eager {
-            rx: domain.register(EAGER_SLOTS as usize * p.eager, Access::LOCAL_WRITE)?,
+            rx,
             size: p.eager,
             hdr: domain.register(caps.max_in_flight * TAG_HEADER, Access::empty())?,
             held: VecDeque::new(),
         };
-        for i in 0..EAGER_SLOTS as usize {
-            post_bounce(&mut qp, &e, i)?;
+        if matches!(e.rx, Bounce::Own(_)) {
+            for i in 0..EAGER_SLOTS as usize {
+                post_bounce(&mut qp, &e, i)?;
+            }
         }
         Some(e)
     } else {
@@ -1114,6 +1311,7 @@ fn finish(
         attached: None,
         idle: 0,
         armed: false,
+        discarded: false,
         _pd: p.pd,
         domain: domain.clone(),
     };
@@ -1124,23 +1322,251 @@ fn finish(
     )))
 }
 
-/// Eager mode: the receive queue holds [`EAGER_SLOTS`] bounce buffers; each message lands
-/// in one (an 8-byte tag, then the payload), is matched by the tracker and copied into
-/// its receive (or into the unexpected queue), and the buffer is posted again. A message
-/// that cannot be placed yet (no receive posted; unexpected queue full) keeps its buffer
+/// Eager mode: the receive queue holds [`EAGER_SLOTS`] bounce buffers (or, with
+/// [`Options::verbs_srq_buffers`], the domain's shared receive queue holds them for every
+/// queue pair: [`SrqPool`]); each message lands in one (an 8-byte tag, then the payload),
+/// is matched by the tracker and copied into its receive (or into the unexpected queue),
+/// and the buffer is posted again. A message that cannot be placed yet keeps its buffer
 /// (`held`, in arrival order) until it can: with every buffer held the sender waits
-/// (receiver not ready), as a tcp frame waits on the wire.
+/// (receiver not ready), as a tcp frame waits on the wire. Own buffers: a message waits
+/// while no receive is posted or the unexpected queue is full. Shared buffers: only while
+/// the unexpected queue is full (see [`SrqPool`] for the bound).
 #[derive(Debug)]
 struct Eager {
-    rx: Region,
+    rx: Bounce,
     size: usize,
     /// One tag header per tracker slot (a send's slot index picks it).
     hdr: Region,
     held: VecDeque<(usize, Wc)>,
 }
 
+/// Where eager messages land.
+#[derive(Debug)]
+enum Bounce {
+    /// [`EAGER_SLOTS`] buffers of this connection, posted to its own receive queue.
+    Own(Region),
+    /// The domain's shared receive queue.
+    Shared(Arc<SrqPool>),
+}
+
+impl Eager {
+    fn pool(&self) -> Option<&SrqPool> {
+        match &self.rx {
+            Bounce::Shared(p) => Some(p),
+            Bounce::Own(_) => None,
+        }
+    }
+
+    /// The first `len` (at most `size`) bytes of bounce buffer `i`.
+    ///
+    /// Buffer `i` must have completed and not be posted again while the borrow lives (the
+    /// connection holding its completion is the only one that reposts it).
+    fn landed(&self, i: usize, len: usize) -> &[u8] {
+        let len = len.min(self.size);
+        match &self.rx {
+            // SAFETY: buffer `i` lies inside the region (`i < EAGER_SLOTS`, `len <= size`),
+            // has completed and is not posted again before this borrow ends, so the NIC
+            // does not write it; `rx` keeps the memory alive; nothing else writes it.
+            Bounce::Own(r) => unsafe {
+                std::slice::from_raw_parts(r.base().add(i * self.size), len)
+            },
+            Bounce::Shared(p) => p.landed(i, len),
+        }
+    }
+
+    /// Posts bounce buffer `i` again (to the queue pair or the shared receive queue).
+    fn repost(&self, qp: &mut ib::QueuePair<ib::Rc>, i: usize) -> Result<()> {
+        match &self.rx {
+            Bounce::Own(_) => post_bounce(qp, self, i),
+            Bounce::Shared(p) => p.post(i),
+        }
+    }
+
+    /// Shared buffers: gives back every held one (the connection failed: its messages are
+    /// never placed).
+    fn release_held(&mut self) {
+        if let Bounce::Shared(p) = &self.rx {
+            for (i, _) in self.held.drain(..) {
+                p.held.fetch_sub(1, Ordering::Relaxed);
+                p.give_back(i);
+            }
+        }
+    }
+}
+
+impl Drop for Eager {
+    fn drop(&mut self) {
+        // Own buffers die with their queue pair; shared ones go back to the SRQ.
+        self.release_held();
+    }
+}
+
+/// Eager mode with [`Options::verbs_srq_buffers`]: the domain's one shared receive queue
+/// and its bounce buffers (`count` of `size` bytes, one registration), from which every
+/// queue pair of the domain takes its receives. Completions come through the hubs' CQs and
+/// are routed by `qp_num` like any other; the connection copies the message out and
+/// reposts the buffer here (one lock of `srq` per message, uncontended unless connections
+/// of the domain are progressed from several threads). A buffer whose connection is gone
+/// (its mailbox closed, or it held it) comes back here too.
+///
+/// Holding: a connection keeps a buffer only while its unexpected queue is full, at most
+/// `max(1, count / 8)` of them, and all connections together at most `max(1, count / 2)`;
+/// a connection that would need one more fails (`ProtocolError`, its queue pair to the
+/// error state, its buffers back here). So at least half the buffers stay for the others,
+/// and a momentarily empty SRQ only makes senders retry (receiver not ready; the queue
+/// pairs retry without limit, `rnr_retry` 7).
+///
+/// Drop order: every queue pair built on the SRQ holds it (`ibverbs-safe` keeps the SRQ
+/// until the last one is destroyed, and the posted buffers' registration until the SRQ
+/// is); the pool itself lives while the domain, a hub or a connection holds it, so the
+/// bytes a connection reads stay mapped.
+struct SrqPool {
+    /// The queue and the registration the buffers are cut from (`slice` needs `&mut`).
+    srq: Mutex<SrqParts>,
+    /// Address of buffer 0.
+    base: usize,
+    size: usize,
+    count: usize,
+    /// Buffers connections hold now.
+    held: AtomicUsize,
+    /// Buffers that could not be posted again (lost to the pool).
+    lost: AtomicUsize,
+}
+
+struct SrqParts {
+    srq: ib::SharedReceiveQueue,
+    mr: ib::MemoryRegion<ib::AlignedBuffer, ib::Local>,
+}
+
+impl std::fmt::Debug for SrqPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SrqPool")
+            .field("count", &self.count)
+            .field("size", &self.size)
+            .field("held", &self.held)
+            .finish()
+    }
+}
+
+impl SrqPool {
+    fn new(pd: &ib::ProtectionDomain, count: u32, size: usize) -> Result<Arc<SrqPool>> {
+        let e = |e: ib::Error| unavailable(format!("shared receive queue: {e}"));
+        let bytes = (count as usize).checked_mul(size).ok_or_else(|| {
+            Error::InvalidArgument("verbs_srq_buffers × verbs_eager_bytes overflows".into())
+        })?;
+        let srq = pd.create_srq(count, 1).map_err(e)?;
+        let mr = pd.alloc_region(bytes).map_err(e)?;
+        let pool = SrqPool {
+            base: mr.addr() as usize,
+            srq: Mutex::new(SrqParts { srq, mr }),
+            size,
+            count: count as usize,
+            held: AtomicUsize::new(0),
+            lost: AtomicUsize::new(0),
+        };
+        for i in 0..pool.count {
+            pool.post(i)?;
+        }
+        Ok(Arc::new(pool))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, SrqParts> {
+        self.srq.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Posts buffer `i`.
+    fn post(&self, i: usize) -> Result<()> {
+        let mut g = self.lock();
+        let b =
+            g.mr.slice(i * self.size..(i + 1) * self.size)
+                .map_err(|e| Error::Protocol(e.to_string()))?;
+        g.srq
+            .post_recv(b, i as u64)
+            .map_err(|e| Error::Protocol(format!("post_srq_recv (eager buffer): {}", e.error)))
+    }
+
+    /// Posts buffer `i` again where no connection can be told of a failure (counted).
+    fn give_back(&self, i: usize) {
+        if i >= self.count || self.post(i).is_err() {
+            self.lost.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// A connection holding `mine` buffers takes one more, if the bounds allow.
+    fn try_hold(&self, mine: usize) -> bool {
+        let (per, all) = hold_limits(self.count);
+        if mine >= per {
+            return false;
+        }
+        self.held
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |h| {
+                (h < all).then_some(h + 1)
+            })
+            .is_ok()
+    }
+
+    /// The first `len` bytes of buffer `i` (see [`Eager::landed`]).
+    fn landed(&self, i: usize, len: usize) -> &[u8] {
+        if i >= self.count {
+            return &[];
+        }
+        // SAFETY: buffer `i` lies inside the registration (`i < count`, `len <= size`),
+        // which `srq` keeps alive as long as `self`; it completed and the caller does not
+        // post it again before the borrow ends, so neither the NIC nor anyone else
+        // writes it meanwhile.
+        unsafe {
+            std::slice::from_raw_parts((self.base + i * self.size) as *const u8, len.min(self.size))
+        }
+    }
+
+    fn stats(&self) -> SrqStats {
+        SrqStats {
+            buffers: self.count,
+            buffer_bytes: self.size,
+            posted: self.lock().srq.in_flight(),
+            held: self.held.load(Ordering::Relaxed),
+            lost: self.lost.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// Of `count` shared buffers, how many one connection may hold, and all together.
+fn hold_limits(count: usize) -> (usize, usize) {
+    ((count / 8).max(1), (count / 2).max(1))
+}
+
+/// The shared receive queue of a verbs domain ([`Options::verbs_srq_buffers`]), as
+/// [`srq_stats`] sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SrqStats {
+    /// Buffers registered (the option's value, however many connections use them).
+    pub buffers: usize,
+    /// Bytes of each ([`Options::verbs_eager_bytes`]).
+    pub buffer_bytes: usize,
+    /// Posted now (free for the next message of any connection).
+    pub posted: usize,
+    /// Kept by connections for messages waiting for a receive.
+    pub held: usize,
+    /// Could not be posted again (lost to the queue; 0 unless posting failed).
+    pub lost: usize,
+}
+
+/// The domain's shared receive queue, once its first connection made it; `None` for
+/// another backend, without [`Options::verbs_srq_buffers`] or before any connection.
+pub fn srq_stats(domain: &Domain) -> Option<SrqStats> {
+    let vd = verbs_domain(domain).ok()?;
+    let g = vd.srq.lock().unwrap_or_else(|e| e.into_inner());
+    g.as_ref().map(|p| p.stats())
+}
+
 fn post_bounce(qp: &mut ib::QueuePair<ib::Rc>, e: &Eager, i: usize) -> Result<()> {
-    let b = backing_of(&e.rx).ok_or(Error::Foreign("eager buffers without a registration"))?;
+    let Bounce::Own(rx) = &e.rx else {
+        return Err(Error::Protocol(
+            "eager buffer of the shared receive queue".into(),
+        ));
+    };
+    let b = backing_of(rx).ok_or(Error::Foreign("eager buffers without a registration"))?;
     let slice = b
         .full
         .slice(i * e.size..(i + 1) * e.size)
@@ -1150,8 +1576,10 @@ fn post_bounce(qp: &mut ib::QueuePair<ib::Rc>, e: &Eager, i: usize) -> Result<()
 }
 
 /// Places the message in bounce buffer `i` (completion `wc`): `false` when it must wait.
+/// Own buffers wait while no receive is posted; shared ones go to the unexpected queue.
 fn place(t: &mut Tracker, e: &Eager, i: usize, wc: Wc) -> bool {
     let total = wc.byte_len as usize;
+    let wait_for_recv = e.pool().is_none() && !t.has_posted_recv();
     if let Some(imm) = wc.imm {
         // A write-imm notification (no payload here): a receive matching tag 0 takes it.
         match t.match_message(0) {
@@ -1159,7 +1587,7 @@ fn place(t: &mut Tracker, e: &Eager, i: usize, wc: Wc) -> bool {
                 t.complete_recv(at, Status::Success, total, 0, Some(imm));
             }
             None => {
-                if !t.has_posted_recv() || t.stash_begin(0, Some(imm), total, 0).is_none() {
+                if wait_for_recv || t.stash_begin(0, Some(imm), total, 0).is_none() {
                     return false;
                 }
                 t.stash_end();
@@ -1174,10 +1602,7 @@ fn place(t: &mut Tracker, e: &Eager, i: usize, wc: Wc) -> bool {
         );
         return true;
     }
-    // SAFETY: bounce buffer `i` (inside the region: `total <= size`) has completed and is
-    // not posted again before this borrow ends, so the NIC does not write it; `e.rx` keeps
-    // the memory alive; nothing else writes it.
-    let bytes = unsafe { std::slice::from_raw_parts(e.rx.base().add(i * e.size), total) };
+    let bytes = e.landed(i, total);
     let mut tag = [0u8; TAG_HEADER];
     tag.copy_from_slice(&bytes[..TAG_HEADER]);
     let tag = u64::from_le_bytes(tag);
@@ -1193,7 +1618,7 @@ fn place(t: &mut Tracker, e: &Eager, i: usize, wc: Wc) -> bool {
             t.complete_recv(at, status, len, tag, None);
         }
         None => {
-            if !t.has_posted_recv() || t.stash_begin(tag, None, len, len).is_none() {
+            if wait_for_recv || t.stash_begin(tag, None, len, len).is_none() {
                 return false;
             }
             t.stash_fill(0, payload);
@@ -1206,7 +1631,21 @@ fn place(t: &mut Tracker, e: &Eager, i: usize, wc: Wc) -> bool {
 /// A receive-queue completion in eager mode.
 fn on_bounce(t: &mut Tracker, e: &mut Eager, qp: &mut ib::QueuePair<ib::Rc>, wc: Wc) {
     let i = wc.wr_id as usize;
-    if wc.status != ib::WcStatus::Success {
+    if let Some(p) = e.pool() {
+        if wc.status != ib::WcStatus::Success || t.failure().is_some() {
+            // The buffer is free again whatever happened to its message (the connection's
+            // failure, if any, was or is now reported).
+            p.give_back(i);
+            if wc.status != ib::WcStatus::Success && wc.status != ib::WcStatus::WrFlush {
+                t.fail_all(
+                    map_status(wc.status),
+                    format!("verbs completion error: {}", wc.status),
+                );
+            }
+            e.release_held();
+            return;
+        }
+    } else if wc.status != ib::WcStatus::Success {
         if wc.status != ib::WcStatus::WrFlush {
             t.fail_all(
                 map_status(wc.status),
@@ -1216,12 +1655,38 @@ fn on_bounce(t: &mut Tracker, e: &mut Eager, qp: &mut ib::QueuePair<ib::Rc>, wc:
         return;
     }
     if !e.held.is_empty() || !place(t, e, i, wc) {
+        if let Some(p) = e.pool() {
+            if !p.try_hold(e.held.len()) {
+                overrun(t, e, qp, i);
+                return;
+            }
+        }
         e.held.push_back((i, wc));
         return;
     }
-    if let Err(err) = post_bounce(qp, e, i) {
+    if let Err(err) = e.repost(qp, i) {
         t.fail_all(Status::ProtocolError, err.to_string());
     }
+}
+
+/// Shared buffers: a message that cannot be placed, with no buffer left for it to keep.
+/// The connection fails (and gives every buffer back) so that the others keep theirs.
+#[cold]
+fn overrun(t: &mut Tracker, e: &mut Eager, qp: &mut ib::QueuePair<ib::Rc>, i: usize) {
+    let Some(p) = e.pool() else { return };
+    let (count, mine) = (p.count, e.held.len());
+    p.give_back(i);
+    t.fail_all(
+        Status::ProtocolError,
+        format!(
+            "verbs shared receive queue: the peer sent more than this side had receives, \
+             unexpected-queue room (Options::unexpected_messages / unexpected_bytes) and \
+             shared buffers (this connection holds {mine}; Options::verbs_srq_buffers {count}) \
+             for: connection given up so that the domain's other connections keep receiving"
+        ),
+    );
+    let _ = qp.set_error();
+    e.release_held();
 }
 
 /// Places held messages that can go now (a receive was posted, the queue made room).
@@ -1232,7 +1697,10 @@ fn run_held(t: &mut Tracker, e: &mut Eager, qp: &mut ib::QueuePair<ib::Rc>) -> R
             break;
         }
         e.held.pop_front();
-        post_bounce(qp, e, i)?;
+        if let Some(p) = e.pool() {
+            p.held.fetch_sub(1, Ordering::Relaxed);
+        }
+        e.repost(qp, i)?;
         moved = true;
     }
     Ok(moved)
@@ -1281,6 +1749,8 @@ struct VerbsHal {
     idle: u32,
     /// Its mailbox is watched (`arm` returned true).
     armed: bool,
+    /// The connection failed and its mailbox discards (shared receive queue only).
+    discarded: bool,
     _pd: ib::ProtectionDomain,
     /// For flushes (the domain's loopback queue pair).
     domain: Domain,
@@ -1510,6 +1980,13 @@ impl VerbsHal {
             n += 1;
         }
         n += st.pump(hub.event.as_fd(), Some(me), &mut on)?;
+        drop(st);
+        if let Some(e) = eager.as_mut() {
+            if !e.held.is_empty() && t.failure().is_some() {
+                // A failed connection's messages are never placed: shared buffers go back.
+                e.release_held();
+            }
+        }
         Ok(n > 0)
     }
 
@@ -1641,44 +2118,29 @@ impl Hal for VerbsHal {
         }
     }
 
+    fn progress(&mut self, t: &mut Tracker) -> Result<()> {
+        let r = self.progress_inner(t);
+        if self.shared() && !self.discarded && (r.is_err() || t.failure().is_some()) {
+            // A failed connection is not progressed any more (the endpoint skips it, a
+            // worker leaves it dormant): its shared receive buffers, held or still to
+            // complete, must not wait for it.
+            self.discarded = true;
+            self.armed = false;
+            self.seat.hub.lock().discard(self.qp_num);
+            // Tell the peer at once (a hang-up): its sends would otherwise retry against a
+            // queue pair in the error state (rxe retries without limit at retry_cnt 7).
+            let _ = self.sock.shutdown(std::net::Shutdown::Both);
+            if let Some(e) = self.eager.as_mut() {
+                e.release_held();
+            }
+        }
+        r
+    }
+
     fn attach_worker(&mut self, worker: Option<u64>) -> Option<u64> {
         self.unwatch();
         self.attached = worker;
         Some((u64::from(self.seat.hub.index) << 32) | u64::from(self.qp_num))
-    }
-
-    fn progress(&mut self, t: &mut Tracker) -> Result<()> {
-        if self.armed {
-            self.unwatch();
-            if self.attached.is_none() {
-                // Woken alone: take the channel's event (the worker does that for those
-                // it holds) and our eventfd's signal.
-                if let Some(l) = self.lone() {
-                    sys::eventfd_drain(l.event.as_fd());
-                }
-                let hub = &self.seat.hub;
-                hub.settle(&mut hub.lock())?;
-            }
-            self.idle = CHECK_EVERY - 1;
-        }
-        let mut moved = self.submit(t)?;
-        moved |= self.reap(t)?;
-        if moved {
-            self.idle = 0;
-            // Completions may have freed queue entries.
-            self.submit(t)?;
-        } else {
-            self.idle += 1;
-            if self.idle >= CHECK_EVERY {
-                self.idle = 0;
-                if sys::peer_hung_up(self.sock.as_fd()) {
-                    while self.reap(t)? {}
-                    let _ = self.qp.set_error();
-                    t.fail_all(Status::PeerGone, "verbs peer hung up (side channel closed)");
-                }
-            }
-        }
-        Ok(())
     }
 
     /// A post only hands what the tracker queued to the queue pair (one doorbell for all
@@ -1721,11 +2183,69 @@ impl Hal for VerbsHal {
         st.req_notify()?;
         // A completion that landed before the arm raises no event: route what the CQ has.
         st.pump(hub.event.as_fd(), None, &mut |_| {})?;
-        if t.ready_len() > 0 || st.demux.has_mail(me) || sys::peer_hung_up(self.sock.as_fd()) {
+        if t.ready_len() > 0 || sys::peer_hung_up(self.sock.as_fd()) {
             return Ok(false);
+        }
+        if st.demux.has_mail(me) {
+            if !self.shared() {
+                return Ok(false);
+            }
+            // Shared receive queue: the mail may hold shared buffers, which must not wait
+            // for the caller's next post (a worker leaves an endpoint with nothing in
+            // flight alone until then, "dormant"). Sleep, and wake at once as a new
+            // completion would: the worker progresses it on its next round.
+            if let Some(w) = st.demux.wake_now(me, watch) {
+                signal(w, hub.event.as_fd());
+            }
+            self.armed = true;
+            return Ok(true);
         }
         self.armed = st.demux.watch(me, watch);
         Ok(self.armed)
+    }
+}
+
+impl VerbsHal {
+    /// Its receives come from the domain's shared receive queue.
+    fn shared(&self) -> bool {
+        self.eager.as_ref().is_some_and(|e| e.pool().is_some())
+    }
+
+    fn progress_inner(&mut self, t: &mut Tracker) -> Result<()> {
+        if self.armed {
+            self.unwatch();
+            if self.attached.is_none() {
+                // Woken alone: take the channel's event (the worker does that for those
+                // it holds) and our eventfd's signal.
+                if let Some(l) = self.lone() {
+                    sys::eventfd_drain(l.event.as_fd());
+                }
+                let hub = &self.seat.hub;
+                hub.settle(&mut hub.lock())?;
+            }
+            self.idle = CHECK_EVERY - 1;
+        }
+        let mut moved = self.submit(t)?;
+        moved |= self.reap(t)?;
+        if moved {
+            self.idle = 0;
+            // Completions may have freed queue entries.
+            self.submit(t)?;
+        } else {
+            self.idle += 1;
+            if self.idle >= CHECK_EVERY {
+                self.idle = 0;
+                if sys::peer_hung_up(self.sock.as_fd()) {
+                    while self.reap(t)? {}
+                    let _ = self.qp.set_error();
+                    t.fail_all(Status::PeerGone, "verbs peer hung up (side channel closed)");
+                    if let Some(e) = self.eager.as_mut() {
+                        e.release_held();
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -1740,7 +2260,97 @@ mod tests {
             byte_len: 8,
             imm: None,
             recv: false,
+            srq: false,
         }
+    }
+
+    #[test]
+    fn srq_buffers_are_checked_against_eager_mode_and_device() {
+        let o = |eager, n| Options {
+            verbs_eager_bytes: eager,
+            verbs_srq_buffers: n,
+            ..Options::default()
+        };
+        assert_eq!(srq_buffers(&o(0, 0), 32_767, 1 << 20).unwrap(), 0);
+        assert_eq!(srq_buffers(&o(4096, 0), 32_767, 1 << 20).unwrap(), 0);
+        assert_eq!(srq_buffers(&o(4096, 64), 32_767, 1 << 20).unwrap(), 64);
+        // Without the eager mode: refused, and the message says why.
+        let e = srq_buffers(&o(0, 64), 32_767, 1 << 20).unwrap_err();
+        assert!(
+            matches!(&e, Error::InvalidArgument(m) if m.contains("verbs_eager_bytes")),
+            "{e}"
+        );
+        // More than half the largest CQ, or than the device's SRQ, or than 2^16.
+        let e = srq_buffers(&o(4096, 16_384), 32_767, 1 << 20).unwrap_err();
+        assert!(
+            matches!(&e, Error::InvalidArgument(m) if m.contains("1 to 16383")),
+            "{e}"
+        );
+        assert!(srq_buffers(&o(4096, 300), 32_767, 256).is_err());
+        assert!(srq_buffers(&o(4096, 1 << 17), u32::MAX, u32::MAX).is_err());
+        assert_eq!(
+            srq_buffers(&o(4096, 1 << 16), u32::MAX, u32::MAX).unwrap(),
+            1 << 16
+        );
+        // A device without SRQs.
+        let e = srq_buffers(&o(4096, 64), 32_767, 0).unwrap_err();
+        assert!(matches!(e, Error::Unsupported { .. }), "{e}");
+    }
+
+    #[test]
+    fn hold_limits_leave_half_the_shared_buffers_to_the_others() {
+        assert_eq!(hold_limits(256), (32, 128));
+        assert_eq!(hold_limits(64), (8, 32));
+        assert_eq!(hold_limits(1), (1, 1));
+        assert_eq!(hold_limits(7), (1, 3));
+    }
+
+    #[test]
+    fn a_discarding_mailbox_queues_nothing_and_wakes_nobody() {
+        let mut d = Demux::default();
+        d.open(5);
+        assert!(d.watch(5, Watch::Worker(1)));
+        d.route(5, wc(1));
+        assert!(d.route(5, wc(2)).is_none());
+        assert_eq!(d.discard(5), VecDeque::from([wc(1), wc(2)]));
+        assert!(d.woken.is_empty());
+        assert_eq!(d.watchers, 0);
+        // Pump checks `is_open` before routing: a discarding mailbox is not.
+        assert!(!d.is_open(5));
+        assert!(!d.has_mail(5));
+        assert!(d.close(5).is_empty());
+    }
+
+    #[test]
+    fn waking_now_tells_the_worker_once() {
+        let mut d = Demux::default();
+        d.open(1);
+        d.open(2);
+        assert!(matches!(d.wake_now(1, Watch::Worker(7)), Some(Wake::Hub)));
+        assert!(d.wake_now(1, Watch::Worker(7)).is_none());
+        assert!(d.wake_now(2, Watch::Worker(7)).is_none());
+        assert_eq!(d.woken, vec![(7, 1), (7, 2)]);
+        assert_eq!(d.watchers, 0);
+        assert!(d.wake_now(3, Watch::Worker(7)).is_none(), "no mailbox");
+        let fd = Arc::new(sys::eventfd().unwrap());
+        assert!(matches!(
+            d.wake_now(2, Watch::Lone(fd)),
+            Some(Wake::Lone(_))
+        ));
+    }
+
+    #[test]
+    fn closing_a_mailbox_hands_back_what_it_held() {
+        let mut d = Demux::default();
+        assert!(d.open(3).is_empty());
+        let mut r = wc(5);
+        r.recv = true;
+        r.srq = true;
+        assert!(d.route(3, r).is_none());
+        assert!(d.is_open(3));
+        assert_eq!(d.close(3), VecDeque::from([r]));
+        assert!(!d.is_open(3));
+        assert!(d.close(3).is_empty());
     }
 
     #[test]
