@@ -374,6 +374,7 @@ impl<'a> QpBuilder<'a> {
             // What the provider granted (never more than it reported: inline data is copied from
             // unregistered memory, so this limit is part of the safety contract).
             max_inline: cap.max_inline_data,
+            post_wr: request::PostWr::new(),
             p,
         };
         // INIT
@@ -436,6 +437,8 @@ pub(crate) struct QpCore {
     pub(crate) max_send_sge: usize,
     max_recv_sge: usize,
     pub(crate) max_inline: u32,
+    /// The work request single posts fill (zeroed at creation, see [`request::PostWr`]).
+    pub(crate) post_wr: request::PostWr,
     p: Params,
 }
 

@@ -469,6 +469,29 @@ pub(super) fn blank_wr() -> ibv_send_wr {
     }
 }
 
+/// The work request of single posts ([`QueuePair::post_send`], a scope's posts), kept in
+/// the QP instead of built on the stack per post: zeroed once at creation, then each post
+/// writes the fields its operation uses (`wr_id`, `next`, `sg_list`, `num_sge`, `opcode`,
+/// `send_flags`, `imm_data`, the `wr` union's part for the operation, the SGEs it names).
+/// What no post writes (the XRC and `bind_mw`/TSO parts, the SGEs past `num_sge`) stays zero
+/// from creation; the union's bytes past an operation's part hold zero or what an earlier
+/// post of another operation wrote there, which no provider reads for this opcode. So the
+/// provider is never handed uninitialised memory. The QP's `&mut` (posting needs it) makes
+/// the post the only user; the QP may move between posts, so `sg_list` is set per post.
+pub(crate) struct PostWr {
+    pub(crate) wr: ibv_send_wr,
+    pub(crate) sges: Sges,
+}
+
+impl PostWr {
+    pub(crate) fn new() -> Self {
+        PostWr {
+            wr: blank_wr(),
+            sges: [MaybeUninit::new(ibv_sge::default()); MAX_SGE],
+        }
+    }
+}
+
 /// The most work requests one [`SendBatch`] holds.
 pub const MAX_BATCH: usize = 32;
 
@@ -528,13 +551,18 @@ impl<T: Transport> QueuePair<T> {
         // value (back to the caller whole, or to a cold drop), or knows it holds nothing to
         // drop.
         let mut req = std::mem::ManuallyDrop::new(req);
-        let mut sges: Sges = [const { MaybeUninit::uninit() }; MAX_SGE];
-        let mut wr = blank_wr();
         let core = &mut self.core;
         let pd = Arc::as_ptr(&core.pd.inner);
-        if let Err(error) =
-            req.encode::<T, false>(core.max_send_sge, core.max_inline, pd, &mut wr, &mut sges)
-        {
+        // The QP's own work request (zeroed at creation; see `PostWr`): no 128-byte blank
+        // per post, only the fields this operation uses are written.
+        let post = &mut core.post_wr;
+        if let Err(error) = req.encode::<T, false>(
+            core.max_send_sge,
+            core.max_inline,
+            pd,
+            &mut post.wr,
+            &mut post.sges,
+        ) {
             return Err(PostError {
                 error,
                 request: std::mem::ManuallyDrop::into_inner(req),
@@ -560,11 +588,13 @@ impl<T: Transport> QueuePair<T> {
         // (until the completion, or the provider's refusal, hands them back).
         let (user, ah) = (req.wr_id, req.ah());
         let id = slot.post(&mut req.bufs, user, ah, false);
-        wr.wr_id = id;
+        let post = &mut core.post_wr;
+        post.wr.wr_id = id;
         let mut bad = std::ptr::null_mut();
-        // SAFETY: the QP is live; `wr` and `sges` are valid for the call; every SGE names a
-        // live registration kept alive by the slot until the completion or QP destruction.
-        let rc = unsafe { ops::post_send(core.qp, &mut wr, &mut bad) };
+        // SAFETY: the QP is live; `post.wr` and its SGEs are initialised and valid for the
+        // call (`encode` just pointed `sg_list` at `post.sges`); every SGE names a live
+        // registration kept alive by the slot until the completion or QP destruction.
+        let rc = unsafe { ops::post_send(core.qp, &mut post.wr, &mut bad) };
         if rc != 0 {
             return Err(refused(
                 core,
