@@ -588,13 +588,15 @@ impl<T: Transport> QueuePair<T> {
         // (until the completion, or the provider's refusal, hands them back).
         let (user, ah) = (req.wr_id, req.ah());
         let id = slot.post(&mut req.bufs, user, ah, false);
-        let post = &mut core.post_wr;
-        post.wr.wr_id = id;
+        // (Reached through the work request's own field, not a new borrow of the whole
+        // `post_wr`: that would invalidate the `sg_list` pointer `encode` took from the SGEs.)
+        let wr = &mut core.post_wr.wr;
+        wr.wr_id = id;
         let mut bad = std::ptr::null_mut();
-        // SAFETY: the QP is live; `post.wr` and its SGEs are initialised and valid for the
-        // call (`encode` just pointed `sg_list` at `post.sges`); every SGE names a live
-        // registration kept alive by the slot until the completion or QP destruction.
-        let rc = unsafe { ops::post_send(core.qp, &mut post.wr, &mut bad) };
+        // SAFETY: the QP is live; the work request and its SGEs are initialised and valid for
+        // the call (`encode` just pointed `sg_list` at `post_wr.sges`); every SGE names a
+        // live registration kept alive by the slot until the completion or QP destruction.
+        let rc = unsafe { ops::post_send(core.qp, wr, &mut bad) };
         if rc != 0 {
             return Err(refused(
                 core,
