@@ -4,7 +4,7 @@
 use super::{PostError, QueuePair, Rc, Transport, Uc, Ud};
 use crate::ah::{AddressHandle, AhAttr};
 use crate::error::{rc_error, Error, Result};
-use crate::inflight::{SgList, Sges, WorkQueue, MAX_SGE};
+use crate::inflight::{BufOwners, SgList, Sges, WorkQueue, MAX_SGE};
 use crate::mr::{MrSlice, RemoteMemory};
 use crate::pd::PdInner;
 use crate::qp::Endpoint;
@@ -268,6 +268,23 @@ impl SendRequest {
 #[cold]
 #[inline(never)]
 fn check_bufs(bufs: &SgList, flags: u32, pd: *const PdInner) -> Result<()> {
+    if crate::pd::several() && bufs.any_foreign(pd) {
+        return Err(Error::ForeignObject("a buffer of the work request"));
+    }
+    if flags & sys::IBV_SEND_INLINE != 0 && !bufs.all_host() {
+        return Err(Error::InvalidRequest(
+            "inline data must be host memory (not a device-memory region)",
+        ));
+    }
+    Ok(())
+}
+
+/// As [`check_bufs`], on what the checks look at of the buffers, read from the list inline:
+/// `post_send` never hands the request's address to an out-of-line call (which would keep
+/// the whole request in memory, ~25 instructions a post).
+#[cold]
+#[inline(never)]
+fn check_owners(bufs: BufOwners, flags: u32, pd: *const PdInner) -> Result<()> {
     if crate::pd::several() && bufs.any_foreign(pd) {
         return Err(Error::ForeignObject("a buffer of the work request"));
     }
@@ -570,7 +587,7 @@ impl<T: Transport> QueuePair<T> {
         }
         // The checks of the buffers themselves, only where they can matter.
         if req.flags & sys::IBV_SEND_INLINE != 0 || crate::pd::several() {
-            if let Err(error) = check_bufs(&req.bufs, req.flags, pd) {
+            if let Err(error) = check_owners(req.bufs.owners(), req.flags, pd) {
                 return Err(PostError {
                     error,
                     request: std::mem::ManuallyDrop::into_inner(req),
