@@ -574,7 +574,7 @@ impl<T: Transport> QueuePair<T> {
         // per post, only the fields this operation uses are written.
         let post = &mut core.post_wr;
         if let Err(error) = req.encode::<T, false>(
-            core.max_send_sge,
+            core.max_send_sge.get(),
             core.max_inline,
             pd,
             &mut post.wr,
@@ -662,7 +662,7 @@ impl<T: Transport> QueuePair<T> {
                 .expect("batch entries below len are Some");
             let mut wr = blank_wr();
             if let Err(e) = req.encode::<T, true>(
-                core.max_send_sge,
+                core.max_send_sge.get(),
                 core.max_inline,
                 pd,
                 &mut wr,

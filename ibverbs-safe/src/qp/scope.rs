@@ -113,7 +113,7 @@ impl<'scope, 'env, T: Transport> Scope<'scope, 'env, T> {
             first: Some((sge.addr, sge.length as u64)),
             remote: remote.map(|r| (r.addr, r.len)),
         }
-        .check(core.max_send_sge, core.max_inline)?;
+        .check(core.max_send_sge.get(), core.max_inline)?;
         if !std::ptr::eq(std::sync::Arc::as_ptr(&core.pd.inner), mr_pd) {
             return Err(Error::ForeignObject("the borrowed region"));
         }
