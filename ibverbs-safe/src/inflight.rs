@@ -736,11 +736,15 @@ impl WorkQueue {
             // SAFETY: the successful CAS made us the slot's only user until we store FREE;
             // we move the buffers out and drop the address handle, leaving it empty.
             let d = unsafe { &mut *p };
-            bufs.move_into_empty(&mut d.bufs);
-            if d._ah.is_some() {
-                // A UD send's address handle: its drop cannot panic (a failing
-                // `ibv_destroy_ah` is recorded, not raised).
-                drop_ah(d._ah.take());
+            // A scoped slot holds neither buffers nor an address handle (`post_borrowed`
+            // fills a FREE, empty slot with an id only): nothing to move or drop.
+            if !d.scoped {
+                bufs.move_into_empty(&mut d.bufs);
+                if d._ah.is_some() {
+                    // A UD send's address handle: its drop cannot panic (a failing
+                    // `ibv_destroy_ah` is recorded, not raised).
+                    drop_ah(d._ah.take());
+                }
             }
             (d.user, d.scoped)
         });
