@@ -50,6 +50,12 @@ pub(crate) struct PostedSend {
     pub(crate) opcode: u32,
     pub(crate) flags: u32,
     pub(crate) sges: Vec<ibv_sge>,
+    /// `imm_data` as posted (network byte order).
+    pub(crate) imm_data: u32,
+    /// The remote address and rkey as posted (`wr.atomic`'s for atomics, else `wr.rdma`'s).
+    pub(crate) rdma: (u64, u32),
+    /// `wr.atomic.compare_add` as posted.
+    pub(crate) compare_add: u64,
 }
 
 #[derive(Default)]
@@ -715,11 +721,29 @@ unsafe extern "C" fn post_send(
                     .push("post_send: address handle of another context");
             }
         }
+        let atomic = matches!(
+            w.opcode,
+            IBV_WR_ATOMIC_CMP_AND_SWP | IBV_WR_ATOMIC_FETCH_AND_ADD
+        );
+        let (rdma, compare_add) = if atomic {
+            // SAFETY: an atomic work request sets the `atomic` member.
+            let a = unsafe { w.wr.atomic };
+            ((a.remote_addr, a.rkey), a.compare_add)
+        } else {
+            // SAFETY: bytes 0..12 of the union are initialised in every work request posted
+            // here (each member sets them: `rdma`'s address and rkey, `atomic`'s address and
+            // compare value, `ud`'s handle, QP number and Q_Key; a SEND's union is all zero or
+            // what an earlier post wrote); no padding byte is read.
+            (unsafe { (w.wr.rdma.remote_addr, w.wr.rdma.rkey) }, 0)
+        };
         let p = PostedSend {
             wr_id: w.wr_id,
             opcode: w.opcode,
             flags: w.send_flags,
             sges,
+            imm_data: w.imm_data,
+            rdma,
+            compare_add,
         };
         if !s.no_log {
             s.log.push(p.clone());

@@ -186,6 +186,38 @@ impl SgList {
             .any(|s| !std::ptr::eq(Arc::as_ptr(&s.owner.pd.inner), pd))
     }
 
+    /// What the checks of a send's buffers look at (their PDs, whether host memory), read
+    /// at constant indices: a list on the stack can then stay out of memory (its address is
+    /// never taken), which a borrow of it handed to an out-of-line check would prevent.
+    #[inline(always)]
+    pub(crate) fn owners(&self) -> BufOwners {
+        let mut o = BufOwners {
+            n: self.len,
+            pd: [std::ptr::null(); MAX_SGE],
+            host: [true; MAX_SGE],
+        };
+        let n = self.len as usize;
+        let mut one = |i: usize| {
+            // SAFETY: called only for `i < len`: an initialised entry.
+            let s = unsafe { self.items[i].assume_init_ref() };
+            o.pd[i] = Arc::as_ptr(&s.owner.pd.inner);
+            o.host[i] = s.owner.host;
+        };
+        if n > 0 {
+            one(0);
+            if n > 1 {
+                one(1);
+                if n > 2 {
+                    one(2);
+                    if n > 3 {
+                        one(3);
+                    }
+                }
+            }
+        }
+        o
+    }
+
     /// Whether every buffer is host memory the CPU may read (not device memory).
     #[inline]
     pub(crate) fn all_host(&self) -> bool {
@@ -310,6 +342,27 @@ macro_rules! sglist_from_array {
     )*};
 }
 sglist_from_array!(1, 2, 3, 4);
+
+/// The owners of a list's buffers, as the send checks see them ([`SgList::owners`]).
+#[derive(Clone, Copy)]
+pub(crate) struct BufOwners {
+    pub(crate) n: u8,
+    pub(crate) pd: [*const crate::pd::PdInner; MAX_SGE],
+    pub(crate) host: [bool; MAX_SGE],
+}
+
+impl BufOwners {
+    /// Whether a buffer is of another PD than `pd` (see [`SgList::any_foreign`]).
+    pub(crate) fn any_foreign(&self, pd: *const crate::pd::PdInner) -> bool {
+        self.pd[..self.n as usize]
+            .iter()
+            .any(|&p| !std::ptr::eq(p, pd))
+    }
+    /// Whether every buffer is host memory (see [`SgList::all_host`]).
+    pub(crate) fn all_host(&self) -> bool {
+        self.host[..self.n as usize].iter().all(|&h| h)
+    }
+}
 
 /// What one slot holds while its work request is in flight (a free slot holds an empty
 /// list, no address handle).
@@ -683,11 +736,15 @@ impl WorkQueue {
             // SAFETY: the successful CAS made us the slot's only user until we store FREE;
             // we move the buffers out and drop the address handle, leaving it empty.
             let d = unsafe { &mut *p };
-            bufs.move_into_empty(&mut d.bufs);
-            if d._ah.is_some() {
-                // A UD send's address handle: its drop cannot panic (a failing
-                // `ibv_destroy_ah` is recorded, not raised).
-                drop_ah(d._ah.take());
+            // A scoped slot holds neither buffers nor an address handle (`post_borrowed`
+            // fills a FREE, empty slot with an id only): nothing to move or drop.
+            if !d.scoped {
+                bufs.move_into_empty(&mut d.bufs);
+                if d._ah.is_some() {
+                    // A UD send's address handle: its drop cannot panic (a failing
+                    // `ibv_destroy_ah` is recorded, not raised).
+                    drop_ah(d._ah.take());
+                }
             }
             (d.user, d.scoped)
         });

@@ -369,11 +369,15 @@ impl<'a> QpBuilder<'a> {
             rq,
             rq_head: 0,
             qpn,
-            max_send_sge: (cap.max_send_sge as usize).clamp(1, MAX_SGE),
+            max_send_sge: std::num::NonZeroUsize::new(
+                (cap.max_send_sge as usize).clamp(1, MAX_SGE),
+            )
+            .unwrap_or(std::num::NonZeroUsize::MIN),
             max_recv_sge: (cap.max_recv_sge as usize).clamp(1, MAX_SGE),
             // What the provider granted (never more than it reported: inline data is copied from
             // unregistered memory, so this limit is part of the safety contract).
             max_inline: cap.max_inline_data,
+            post_wr: request::PostWr::new(),
             p,
         };
         // INIT
@@ -433,9 +437,13 @@ pub(crate) struct QpCore {
     pub(crate) sq_head: crate::inflight::RingCursor,
     rq_head: usize,
     pub(crate) qpn: u32,
-    pub(crate) max_send_sge: usize,
+    /// At least 1 (a type the compiler knows is never 0: a one-buffer post's SGE-count
+    /// check folds away).
+    pub(crate) max_send_sge: std::num::NonZeroUsize,
     max_recv_sge: usize,
     pub(crate) max_inline: u32,
+    /// The work request single posts fill (zeroed at creation, see [`request::PostWr`]).
+    pub(crate) post_wr: request::PostWr,
     p: Params,
 }
 

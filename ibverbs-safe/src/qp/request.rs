@@ -4,7 +4,7 @@
 use super::{PostError, QueuePair, Rc, Transport, Uc, Ud};
 use crate::ah::{AddressHandle, AhAttr};
 use crate::error::{rc_error, Error, Result};
-use crate::inflight::{SgList, Sges, WorkQueue, MAX_SGE};
+use crate::inflight::{BufOwners, SgList, Sges, WorkQueue, MAX_SGE};
 use crate::mr::{MrSlice, RemoteMemory};
 use crate::pd::PdInner;
 use crate::qp::Endpoint;
@@ -279,6 +279,23 @@ fn check_bufs(bufs: &SgList, flags: u32, pd: *const PdInner) -> Result<()> {
     Ok(())
 }
 
+/// As [`check_bufs`], on what the checks look at of the buffers, read from the list inline:
+/// `post_send` never hands the request's address to an out-of-line call (which would keep
+/// the whole request in memory, ~25 instructions a post).
+#[cold]
+#[inline(never)]
+fn check_owners(bufs: BufOwners, flags: u32, pd: *const PdInner) -> Result<()> {
+    if crate::pd::several() && bufs.any_foreign(pd) {
+        return Err(Error::ForeignObject("a buffer of the work request"));
+    }
+    if flags & sys::IBV_SEND_INLINE != 0 && !bufs.all_host() {
+        return Err(Error::InvalidRequest(
+            "inline data must be host memory (not a device-memory region)",
+        ));
+    }
+    Ok(())
+}
+
 /// Drops a posted request's remains (a UD destination) out of line.
 #[cold]
 #[inline(never)]
@@ -469,6 +486,29 @@ pub(super) fn blank_wr() -> ibv_send_wr {
     }
 }
 
+/// The work request of single posts ([`QueuePair::post_send`], a scope's posts), kept in
+/// the QP instead of built on the stack per post: zeroed once at creation, then each post
+/// writes the fields its operation uses (`wr_id`, `next`, `sg_list`, `num_sge`, `opcode`,
+/// `send_flags`, `imm_data`, the `wr` union's part for the operation, the SGEs it names).
+/// What no post writes (the XRC and `bind_mw`/TSO parts, the SGEs past `num_sge`) stays zero
+/// from creation; the union's bytes past an operation's part hold zero or what an earlier
+/// post of another operation wrote there, which no provider reads for this opcode. So the
+/// provider is never handed uninitialised memory. The QP's `&mut` (posting needs it) makes
+/// the post the only user; the QP may move between posts, so `sg_list` is set per post.
+pub(crate) struct PostWr {
+    pub(crate) wr: ibv_send_wr,
+    pub(crate) sges: Sges,
+}
+
+impl PostWr {
+    pub(crate) fn new() -> Self {
+        PostWr {
+            wr: blank_wr(),
+            sges: [MaybeUninit::new(ibv_sge::default()); MAX_SGE],
+        }
+    }
+}
+
 /// The most work requests one [`SendBatch`] holds.
 pub const MAX_BATCH: usize = 32;
 
@@ -528,13 +568,18 @@ impl<T: Transport> QueuePair<T> {
         // value (back to the caller whole, or to a cold drop), or knows it holds nothing to
         // drop.
         let mut req = std::mem::ManuallyDrop::new(req);
-        let mut sges: Sges = [const { MaybeUninit::uninit() }; MAX_SGE];
-        let mut wr = blank_wr();
         let core = &mut self.core;
         let pd = Arc::as_ptr(&core.pd.inner);
-        if let Err(error) =
-            req.encode::<T, false>(core.max_send_sge, core.max_inline, pd, &mut wr, &mut sges)
-        {
+        // The QP's own work request (zeroed at creation; see `PostWr`): no 128-byte blank
+        // per post, only the fields this operation uses are written.
+        let post = &mut core.post_wr;
+        if let Err(error) = req.encode::<T, false>(
+            core.max_send_sge.get(),
+            core.max_inline,
+            pd,
+            &mut post.wr,
+            &mut post.sges,
+        ) {
             return Err(PostError {
                 error,
                 request: std::mem::ManuallyDrop::into_inner(req),
@@ -542,7 +587,7 @@ impl<T: Transport> QueuePair<T> {
         }
         // The checks of the buffers themselves, only where they can matter.
         if req.flags & sys::IBV_SEND_INLINE != 0 || crate::pd::several() {
-            if let Err(error) = check_bufs(&req.bufs, req.flags, pd) {
+            if let Err(error) = check_owners(req.bufs.owners(), req.flags, pd) {
                 return Err(PostError {
                     error,
                     request: std::mem::ManuallyDrop::into_inner(req),
@@ -560,11 +605,15 @@ impl<T: Transport> QueuePair<T> {
         // (until the completion, or the provider's refusal, hands them back).
         let (user, ah) = (req.wr_id, req.ah());
         let id = slot.post(&mut req.bufs, user, ah, false);
+        // (Reached through the work request's own field, not a new borrow of the whole
+        // `post_wr`: that would invalidate the `sg_list` pointer `encode` took from the SGEs.)
+        let wr = &mut core.post_wr.wr;
         wr.wr_id = id;
         let mut bad = std::ptr::null_mut();
-        // SAFETY: the QP is live; `wr` and `sges` are valid for the call; every SGE names a
+        // SAFETY: the QP is live; the work request and its SGEs are initialised and valid for
+        // the call (`encode` just pointed `sg_list` at `post_wr.sges`); every SGE names a
         // live registration kept alive by the slot until the completion or QP destruction.
-        let rc = unsafe { ops::post_send(core.qp, &mut wr, &mut bad) };
+        let rc = unsafe { ops::post_send(core.qp, wr, &mut bad) };
         if rc != 0 {
             return Err(refused(
                 core,
@@ -613,7 +662,7 @@ impl<T: Transport> QueuePair<T> {
                 .expect("batch entries below len are Some");
             let mut wr = blank_wr();
             if let Err(e) = req.encode::<T, true>(
-                core.max_send_sge,
+                core.max_send_sge.get(),
                 core.max_inline,
                 pd,
                 &mut wr,

@@ -113,7 +113,7 @@ impl<'scope, 'env, T: Transport> Scope<'scope, 'env, T> {
             first: Some((sge.addr, sge.length as u64)),
             remote: remote.map(|r| (r.addr, r.len)),
         }
-        .check(core.max_send_sge, core.max_inline)?;
+        .check(core.max_send_sge.get(), core.max_inline)?;
         if !std::ptr::eq(std::sync::Arc::as_ptr(&core.pd.inner), mr_pd) {
             return Err(Error::ForeignObject("the borrowed region"));
         }
@@ -124,11 +124,16 @@ impl<'scope, 'env, T: Transport> Scope<'scope, 'env, T> {
                 depth: core.sq.depth(),
             });
         };
-        let mut sge = sge;
-        let mut wr = super::request::blank_wr();
-        wr.sg_list = &mut sge;
+        // The QP's own work request (zeroed at creation; see `PostWr`): only the fields of
+        // this operation are written.
+        let post = &mut core.post_wr;
+        post.sges[0].write(sge);
+        let wr = &mut post.wr;
+        wr.next = std::ptr::null_mut();
+        wr.sg_list = post.sges.as_mut_ptr().cast();
         wr.num_sge = 1;
         wr.send_flags = sys::IBV_SEND_SIGNALED; // every scoped WR must report back
+        wr.imm_data = 0;
         wr.opcode = match class {
             OpClass::Write => sys::IBV_WR_RDMA_WRITE,
             OpClass::Read => sys::IBV_WR_RDMA_READ,
@@ -143,11 +148,13 @@ impl<'scope, 'env, T: Transport> Scope<'scope, 'env, T> {
         // No buffers to hold: the scope's borrows keep the memory, and the scope does not
         // end before the completion.
         let id = slot.post_borrowed(wr_id);
+        let wr = &mut core.post_wr.wr;
         wr.wr_id = id;
         let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
-        // SAFETY: the QP is live; `wr`/`sge` are valid for the call; the SGE names memory of
-        // a region borrowed for 'env, and the scope does not end before the completion.
-        let rc = unsafe { ops::post_send(core.qp, &mut wr, &mut bad) };
+        // SAFETY: the QP is live; its work request and SGE are initialised and valid for the
+        // call (see `PostWr`); the SGE names memory of a region borrowed for 'env, and the
+        // scope does not end before the completion.
+        let rc = unsafe { ops::post_send(core.qp, wr, &mut bad) };
         if rc != 0 {
             core.sq.unfill(id);
             return Err(Error::PostSend {
