@@ -68,18 +68,8 @@ fn pair(kind: TransportKind, opts: &Options) -> Option<Pair> {
         }
     };
     let mut c = backend::connect(l.address(), opts).expect("connect");
-    let (mut a, mut b) = (None, None);
-    let end = Instant::now() + DEADLINE;
-    while a.is_none() || b.is_none() {
-        assert!(Instant::now() < end, "{kind}: no connection");
-        if a.is_none() {
-            a = l.accept().expect("accept");
-        }
-        if b.is_none() {
-            b = c.poll_connect().expect("connect");
-        }
-    }
-    Some((a.unwrap(), b.unwrap()))
+    let pair = backend::loopback(l.as_mut(), c.as_mut(), DEADLINE);
+    Some(pair.unwrap_or_else(|e| panic!("{kind}: no connection: {e}")))
 }
 
 /// Polls both ends until `rx` has a completion; `tx`'s completions are kept in `sent`.

@@ -15,18 +15,8 @@ const MSG: usize = (16 << 10) - 16;
 fn pair(opts: &Options) -> (Box<dyn Transport>, Box<dyn Transport>) {
     let mut l = backend::listen(TransportKind::Shm, opts).unwrap();
     let mut c = backend::connect(l.address(), opts).unwrap();
-    let (mut a, mut b) = (None, None);
-    let end = Instant::now() + Duration::from_secs(20);
-    while a.is_none() || b.is_none() {
-        assert!(Instant::now() < end, "shm pair not connected");
-        if a.is_none() {
-            a = l.accept().unwrap();
-        }
-        if b.is_none() {
-            b = c.poll_connect().unwrap();
-        }
-    }
-    (a.unwrap(), b.unwrap())
+    backend::loopback(l.as_mut(), c.as_mut(), Duration::from_secs(20))
+        .expect("shm pair not connected")
 }
 
 fn next(t: &mut dyn Transport, within: Duration) -> Completion {

@@ -26,7 +26,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use fabric_core::backend::{Listener, Options};
+use fabric_core::backend::{self, Listener, Options};
 use fabric_core::{
     Access, Completion, Domain, EndpointId, Error, Event, OpKind, Region, Status, Transport,
     TransportKind, Worker,
@@ -645,18 +645,7 @@ fn pairs(a: &Domain, b: &Domain, n: usize) -> Vec<(Box<dyn Transport>, Box<dyn T
     (0..n)
         .map(|_| {
             let mut c = b.connect(l.address()).unwrap();
-            let end = Instant::now() + DEADLINE;
-            let (mut x, mut y) = (None, None);
-            while x.is_none() || y.is_none() {
-                if x.is_none() {
-                    x = l.accept().unwrap();
-                }
-                if y.is_none() {
-                    y = c.poll_connect().unwrap();
-                }
-                assert!(Instant::now() < end, "no connection");
-            }
-            (x.unwrap(), y.unwrap())
+            backend::loopback(l.as_mut(), c.as_mut(), DEADLINE).expect("no connection")
         })
         .collect()
 }

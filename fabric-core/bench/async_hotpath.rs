@@ -35,7 +35,8 @@ type Conn = Box<dyn Transport>;
 /// A (in `domain`) and B (its own domain), connected over shm.
 fn pair(domain: &Domain) -> Result<(Conn, Conn), Error> {
     let mut l = domain.listen()?;
-    backend::loopback(l.as_mut(), &Options::default(), Duration::from_secs(10))
+    let mut c = backend::connect(l.address(), &Options::default())?;
+    backend::loopback(l.as_mut(), c.as_mut(), Duration::from_secs(10))
 }
 
 fn failed(what: &str, c: &Completion) -> Error {

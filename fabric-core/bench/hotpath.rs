@@ -31,7 +31,8 @@ type Conn = Box<dyn Transport>;
 fn pair(kind: TransportKind) -> Result<(Conn, Conn), Error> {
     let opts = Options::default();
     let mut l = backend::listen(kind, &opts)?;
-    backend::loopback(l.as_mut(), &opts, Duration::from_secs(10))
+    let mut c = backend::connect(l.address(), &opts)?;
+    backend::loopback(l.as_mut(), c.as_mut(), Duration::from_secs(10))
 }
 
 /// Receive buffers: the caller's `AlignedBuf` (default), or fabric-core memory with

@@ -119,7 +119,8 @@ fn args() -> Args {
 fn pair() -> Result<(Conn, Conn), Error> {
     let opts = Options::default();
     let mut l = backend::listen(TransportKind::Verbs, &opts)?;
-    backend::loopback(l.as_mut(), &opts, Duration::from_secs(30))
+    let mut c = backend::connect(l.address(), &opts)?;
+    backend::loopback(l.as_mut(), c.as_mut(), Duration::from_secs(30))
 }
 
 struct Fabric {

@@ -586,18 +586,7 @@ fn opts() -> Options {
 fn pair_in(a: &Domain, b: &Domain) -> (Box<dyn Transport>, Box<dyn Transport>) {
     let mut l: Box<dyn Listener> = a.listen().unwrap();
     let mut c: Box<dyn Connector> = b.connect(l.address()).unwrap();
-    let end = Instant::now() + Duration::from_secs(10);
-    let (mut x, mut y) = (None, None);
-    while x.is_none() || y.is_none() {
-        if x.is_none() {
-            x = l.accept().unwrap();
-        }
-        if y.is_none() {
-            y = c.poll_connect().unwrap();
-        }
-        assert!(Instant::now() < end, "no connection");
-    }
-    (x.unwrap(), y.unwrap())
+    backend::loopback(l.as_mut(), c.as_mut(), Duration::from_secs(10)).expect("no connection")
 }
 
 /// Posts a one-sided `op` on `a` and returns its status (polling `b` meanwhile).

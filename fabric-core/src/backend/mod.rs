@@ -262,20 +262,20 @@ pub fn connect_timeout(c: &mut dyn Connector, timeout: Duration) -> Result<Box<d
     }
 }
 
-/// Both ends of one connection in this process: connects to `listener` (with `opts`, in a
-/// fresh domain of the connector's own) and accepts that connection, stepping both sides
-/// from this thread; returns `(accepted, connected)`. For tests, benchmarks and in-process
-/// loopback; across processes use [`accept_timeout`] and [`connect_timeout`].
+/// Both ends of one connection in this process: steps `listener`'s accept and
+/// `connector` (started with [`connect`] or [`Domain::connect`](crate::Domain::connect) to the
+/// listener's address) from this thread until both are done; returns `(accepted,
+/// connected)`. For tests, benchmarks and in-process loopback; across processes use
+/// [`accept_timeout`] and [`connect_timeout`].
 ///
 /// # Errors
 /// [`Error::Timeout`] when the two do not meet within `timeout`; the listener's or the
 /// connector's error.
 pub fn loopback(
     listener: &mut dyn Listener,
-    opts: &Options,
+    connector: &mut dyn Connector,
     timeout: Duration,
 ) -> Result<(Box<dyn Transport>, Box<dyn Transport>)> {
-    let mut c = connect(listener.address(), opts)?;
     let end = Instant::now() + timeout;
     let (mut a, mut b) = (None, None);
     loop {
@@ -283,7 +283,7 @@ pub fn loopback(
             a = listener.accept()?;
         }
         if b.is_none() {
-            b = c.poll_connect()?;
+            b = connector.poll_connect()?;
         }
         if let (Some(_), Some(_)) = (&a, &b) {
             break;
@@ -595,8 +595,9 @@ pub(crate) mod shared_tests {
         use std::time::{Duration, Instant};
         let opts = Options::default();
         let mut l = backend::listen(kind, &opts).expect("listen");
+        let mut c = backend::connect(l.address(), &opts).expect("connect");
         let (mut a, mut b) =
-            backend::loopback(l.as_mut(), &opts, Duration::from_secs(10)).expect("loopback");
+            backend::loopback(l.as_mut(), c.as_mut(), Duration::from_secs(10)).expect("loopback");
         let tx = a.register(64, Access::empty()).expect("register");
         let rx = b.register(64, Access::empty()).expect("register");
         tx.slice(0, 8)
