@@ -122,7 +122,12 @@ bitflags::bitflags! {
 ///   message: the peer's sends stay in flight, and its posts get
 ///   [`Error::WouldBlock`] once its in-flight table is full (backpressure, never loss). A
 ///   receiver that posts tags in any order is deadlock-free as long as the messages
-///   that overtake the one it waits for fit in the queue.
+///   that overtake the one it waits for fit in the queue. One exception: verbs endpoints
+///   on a domain's shared receive queue ([`Options::verbs_srq_buffers`](crate::backend::Options::verbs_srq_buffers))
+///   take unmatched messages into the unexpected queue even while no receive is posted
+///   (the shared buffer goes back at once), and an endpoint whose peer overruns both the
+///   queue and its share of held buffers fails alone (see the verbs backend's docs) instead
+///   of holding the peer back.
 /// * **Grouped receive** (`max_group` parts; [`post_recv_group`](Transport::post_recv_group)):
 ///   each part is matched as its own tagged receive; one completion (op
 ///   [`OpKind::RecvGroup`]) comes when every part is filled, with each part's buffer,
