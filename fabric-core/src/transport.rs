@@ -750,8 +750,8 @@ pub trait Transport: Send + fmt::Debug {
     /// what is watched may change with it, e.g. writability while output waits). The
     /// default is `wait_fd` itself, for readability.
     #[doc(hidden)]
-    fn watch_fds(&self) -> crate::backend::WatchFds<'_> {
-        crate::backend::WatchFds::one(self.wait_fd(), false)
+    fn watch_fds(&self) -> WatchFds<'_> {
+        WatchFds::one(self.wait_fd(), false)
     }
 
     /// Sleeps until there may be work or `timeout` passes (`arm` + `poll(2)` on the fd).
@@ -763,6 +763,40 @@ pub trait Transport: Send + fmt::Debug {
             crate::sys::poll_readable(self.wait_fd(), timeout)?;
         }
         Ok(())
+    }
+}
+
+/// The fds a [`Worker`](crate::Worker) watches for one connection in its own epoll, in
+/// place of the connection's [`wait_fd`](Transport::wait_fd) (see
+/// [`Transport::watch_fds`]): one or two, each for readability and hang-up, and for
+/// writability where `out` says so. Internal to fabric-core.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy)]
+pub struct WatchFds<'a> {
+    fds: [(BorrowedFd<'a>, bool); 2],
+    len: usize,
+}
+
+impl<'a> WatchFds<'a> {
+    /// One fd (`out`: writability too).
+    pub fn one(fd: BorrowedFd<'a>, out: bool) -> Self {
+        WatchFds {
+            fds: [(fd, out), (fd, out)],
+            len: 1,
+        }
+    }
+
+    /// Two fds, readability (and hang-up) only.
+    pub fn two(a: BorrowedFd<'a>, b: BorrowedFd<'a>) -> Self {
+        WatchFds {
+            fds: [(a, false), (b, false)],
+            len: 2,
+        }
+    }
+
+    /// The fds, each with whether its writability is watched too.
+    pub fn as_slice(&self) -> &[(BorrowedFd<'a>, bool)] {
+        &self.fds[..self.len]
     }
 }
 

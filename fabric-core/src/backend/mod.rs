@@ -366,39 +366,8 @@ pub(crate) trait Hal: Send + fmt::Debug {
     fn arm(&mut self, t: &Tracker) -> Result<bool>;
 }
 
-/// The fds a [`Worker`](crate::Worker) watches for one connection in its own epoll, in
-/// place of the connection's [`wait_fd`](Transport::wait_fd) (see
-/// [`Transport::watch_fds`]): one or two, each for readability and hang-up, and for
-/// writability where `out` says so. Internal to fabric-core.
 #[doc(hidden)]
-#[derive(Debug, Clone, Copy)]
-pub struct WatchFds<'a> {
-    fds: [(BorrowedFd<'a>, bool); 2],
-    len: usize,
-}
-
-impl<'a> WatchFds<'a> {
-    /// One fd (`out`: writability too).
-    pub fn one(fd: BorrowedFd<'a>, out: bool) -> Self {
-        WatchFds {
-            fds: [(fd, out), (fd, out)],
-            len: 1,
-        }
-    }
-
-    /// Two fds, readability (and hang-up) only.
-    pub fn two(a: BorrowedFd<'a>, b: BorrowedFd<'a>) -> Self {
-        WatchFds {
-            fds: [(a, false), (b, false)],
-            len: 2,
-        }
-    }
-
-    /// The fds, each with whether its writability is watched too.
-    pub fn as_slice(&self) -> &[(BorrowedFd<'a>, bool)] {
-        &self.fds[..self.len]
-    }
-}
+pub use crate::transport::WatchFds;
 
 /// A connection: the shared [`Tracker`] plus one backend's [`Hal`].
 #[derive(Debug)]
