@@ -154,25 +154,12 @@ impl SgList {
         let n = self.len as usize;
         debug_assert!(n <= MAX_SGE);
         let mut total = 0u64;
-        // Constant indices (see `clear`).
-        let mut one = |i: usize| {
+        at_constant_indices(n, |i| {
             // SAFETY: called only for `i < len`: an initialised entry.
             let s = unsafe { self.items[i].assume_init_ref() };
             sges[i].write(s.sge());
             total += s.len() as u64;
-        };
-        if n > 0 {
-            one(0);
-            if n > 1 {
-                one(1);
-                if n > 2 {
-                    one(2);
-                    if n > 3 {
-                        one(3);
-                    }
-                }
-            }
-        }
+        });
         (n, total)
     }
 
@@ -196,32 +183,13 @@ impl SgList {
             pd: [std::ptr::null(); MAX_SGE],
             host: [true; MAX_SGE],
         };
-        let n = self.len as usize;
-        let mut one = |i: usize| {
+        at_constant_indices(self.len as usize, |i| {
             // SAFETY: called only for `i < len`: an initialised entry.
             let s = unsafe { self.items[i].assume_init_ref() };
             o.pd[i] = Arc::as_ptr(&s.owner.pd.inner);
             o.host[i] = s.owner.host;
-        };
-        if n > 0 {
-            one(0);
-            if n > 1 {
-                one(1);
-                if n > 2 {
-                    one(2);
-                    if n > 3 {
-                        one(3);
-                    }
-                }
-            }
-        }
+        });
         o
-    }
-
-    /// Whether every buffer is host memory the CPU may read (not device memory).
-    #[inline]
-    pub(crate) fn all_host(&self) -> bool {
-        self.iter().all(|s| s.owner.host)
     }
 
     /// The first buffer.
@@ -343,6 +311,25 @@ macro_rules! sglist_from_array {
 }
 sglist_from_array!(1, 2, 3, 4);
 
+/// Calls `f(0)`, `f(1)`, ... up to `f(n - 1)` (`n <= MAX_SGE`) at constant indices, not in a
+/// loop: a list on the stack whose entries are read this way can stay in registers (see
+/// [`SgList::clear`]).
+#[inline(always)]
+fn at_constant_indices(n: usize, mut f: impl FnMut(usize)) {
+    if n > 0 {
+        f(0);
+        if n > 1 {
+            f(1);
+            if n > 2 {
+                f(2);
+                if n > 3 {
+                    f(3);
+                }
+            }
+        }
+    }
+}
+
 /// The owners of a list's buffers, as the send checks see them ([`SgList::owners`]).
 #[derive(Clone, Copy)]
 pub(crate) struct BufOwners {
@@ -352,13 +339,13 @@ pub(crate) struct BufOwners {
 }
 
 impl BufOwners {
-    /// Whether a buffer is of another PD than `pd` (see [`SgList::any_foreign`]).
+    /// As [`SgList::any_foreign`].
     pub(crate) fn any_foreign(&self, pd: *const crate::pd::PdInner) -> bool {
         self.pd[..self.n as usize]
             .iter()
             .any(|&p| !std::ptr::eq(p, pd))
     }
-    /// Whether every buffer is host memory (see [`SgList::all_host`]).
+    /// Whether every buffer is host memory the CPU may read (not device memory).
     pub(crate) fn all_host(&self) -> bool {
         self.host[..self.n as usize].iter().all(|&h| h)
     }

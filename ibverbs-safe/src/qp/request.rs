@@ -268,15 +268,7 @@ impl SendRequest {
 #[cold]
 #[inline(never)]
 fn check_bufs(bufs: &SgList, flags: u32, pd: *const PdInner) -> Result<()> {
-    if crate::pd::several() && bufs.any_foreign(pd) {
-        return Err(Error::ForeignObject("a buffer of the work request"));
-    }
-    if flags & sys::IBV_SEND_INLINE != 0 && !bufs.all_host() {
-        return Err(Error::InvalidRequest(
-            "inline data must be host memory (not a device-memory region)",
-        ));
-    }
-    Ok(())
+    check_owners(bufs.owners(), flags, pd)
 }
 
 /// As [`check_bufs`], on what the checks look at of the buffers, read from the list inline:
