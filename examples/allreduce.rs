@@ -60,7 +60,7 @@ use fabric_core::bootstrap::{
     Launch, Server,
 };
 use fabric_core::{
-    Access, Buf, Domain, EndpointId, Event, PostResult, RemoteKey, Status, Transport,
+    Access, Buf, Domain, EndpointId, Event, PostResult, RemoteKey, RemoteWindow, Status, Transport,
     TransportKind, Worker,
 };
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -123,6 +123,12 @@ struct Args {
     /// 2-CPU host puts were faster up to 1 KiB and slower at 2-4 KiB (BENCHMARKS).
     #[arg(long, default_value_t = 1024)]
     put_max_bytes: usize,
+    /// Recursive doubling's puts store straight into the partner's slot and flag word
+    /// through a remote window (`Transport::map_remote`) where the transport maps peers'
+    /// memory (shm): no operation, completion or poll per put. `--window false` posts
+    /// them (one-sided write + fetch-add) instead.
+    #[arg(long, default_value_t = true, action = ArgAction::Set)]
+    window: bool,
     /// All-gather by one-sided writes where the transport allows peers to write caller
     /// memory.
     #[arg(long)]
@@ -838,6 +844,9 @@ struct PutRd {
     /// By round (0: the fold of a non-power-of-two N, 1..: the doubling rounds): the
     /// partner's `rx` key.
     keys: Vec<Option<RemoteKey>>,
+    /// By round: the partner's `rx` mapped into this process, where the transport maps
+    /// peers' memory (then a put is a copy and a store, see [`put`]).
+    wins: Vec<Option<RemoteWindow>>,
     /// By round and parity: the value our fetch-adds left in the partner's flag word.
     left: Vec<u64>,
     rounds: usize,
@@ -857,7 +866,7 @@ struct PutRd {
 impl PutRd {
     /// Registers the slots and flags and swaps keys with every partner (in the order of
     /// the rounds, the order in which every pair meets).
-    fn setup(comm: &mut Comm, max: usize) -> Res<Self> {
+    fn setup(comm: &mut Comm, max: usize, window: bool) -> Res<Self> {
         let (n, r) = (comm.size, comm.rank);
         let p2 = pow2_below(n);
         let rem = n - p2;
@@ -869,20 +878,31 @@ impl PutRd {
             Access::REMOTE_WRITE | Access::REMOTE_ATOMIC,
         )?;
         let mut keys = vec![None; rounds];
+        let mut wins = vec![None; rounds];
+        let mut partners = vec![None; rounds];
         if r < 2 * rem {
-            keys[0] = Some(swap_key(comm, &rx, r ^ 1, r ^ 1)?);
+            partners[0] = Some(r ^ 1);
         }
         if r >= 2 * rem || r % 2 == 1 {
             let newrank = if r < 2 * rem { r / 2 } else { r - rem };
-            for (j, key) in keys.iter_mut().enumerate().skip(1) {
-                let p = rd_partner(newrank, 1 << (j - 1), rem);
-                *key = Some(swap_key(comm, &rx, p, p)?);
+            for (j, p) in partners.iter_mut().enumerate().skip(1) {
+                *p = Some(rd_partner(newrank, 1 << (j - 1), rem));
+            }
+        }
+        for (j, p) in partners.into_iter().enumerate() {
+            if let Some(p) = p {
+                let key = swap_key(comm, &rx, p, p)?;
+                if window {
+                    wins[j] = map_window(comm, p, &key)?;
+                }
+                keys[j] = Some(key);
             }
         }
         Ok(PutRd {
             rx,
             atom: d.register(8 * PUTS_UNREAPED * 2, Access::empty())?,
             keys,
+            wins,
             left: vec![0; 2 * rounds],
             rounds,
             max,
@@ -950,6 +970,17 @@ fn put(
     round: usize,
     (src, bytes, mine): (&fabric_core::Region, usize, u32),
 ) -> Res<()> {
+    if let Some(win) = &pr.wins[round] {
+        // Straight into the partner's memory: the vector into its slot, then the flag word
+        // (a release store: the partner that sees the word finds the bytes).
+        if bytes != 4 {
+            copy_to_window(win, pr.slot(round, pr.seq), src, bytes, &mut pr.blk_a)?;
+        }
+        let word = ((pr.seq as u32 as u64) << 32) | u64::from(mine);
+        win.store_u64(pr.flag(round, pr.seq), word)?;
+        pr.left[2 * round + (pr.seq % 2) as usize] = word;
+        return Ok(());
+    }
     let key = pr.keys[round].ok_or("no key for this round's partner")?;
     let payload = if bytes == 4 {
         mine
@@ -971,6 +1002,54 @@ fn put(
     post_retry(comm, |c| {
         c.atomic(peer, atom.slice(8 * k, 8)?, &key, off, add)
     })
+}
+
+/// Copies `src[..bytes]` into the window at `off`: straight from the region's bytes when it
+/// lends them (memory no peer may write: the caller's input), else through `blk`.
+fn copy_to_window(
+    win: &RemoteWindow,
+    off: usize,
+    src: &fabric_core::Region,
+    bytes: usize,
+    blk: &mut [u8],
+) -> Res<()> {
+    if src.is_lendable() {
+        if let Ok(b) = src.bytes() {
+            win.write_at(off, &b[..bytes])?;
+            return Ok(());
+        }
+    }
+    let mut o = 0;
+    while o < bytes {
+        let k = (bytes - o).min(blk.len());
+        src.read_at(o, &mut blk[..k])?;
+        win.write_at(off + o, &blk[..k])?;
+        o += k;
+    }
+    Ok(())
+}
+
+/// `peer`'s region of `key` mapped into this process, or `None` where the transport does
+/// not map peers' memory. The region's announcement travels on its own path: poll while
+/// it has not arrived.
+fn map_window(comm: &mut Comm, peer: usize, key: &RemoteKey) -> Res<Option<RemoteWindow>> {
+    let ep = comm.ep(peer)?;
+    let end = Instant::now() + Duration::from_secs(30);
+    let mut done = Vec::new();
+    loop {
+        match comm.worker.endpoint(ep)?.map_remote(key) {
+            Ok(w) => return Ok(Some(w)),
+            Err(fabric_core::Error::Unsupported { .. }) => return Ok(None),
+            Err(fabric_core::Error::RemoteKey(why)) if Instant::now() < end => {
+                comm.poll(&mut done)?;
+                if !done.is_empty() {
+                    return Err(format!("unexpected completion while mapping: {why}").into());
+                }
+                std::thread::yield_now();
+            }
+            Err(e) => return Err(format!("mapping rank {peer}'s slots: {e}").into()),
+        }
+    }
 }
 
 /// Waits for the round-`round` flag of the current operation; returns its payload.
@@ -1849,7 +1928,7 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, all_local: bool) -> Re
             .min(args.rd_max_bytes)
             .min(args.max_bytes)
             .max(4);
-        comm.put = Some(Box::new(PutRd::setup(&mut comm, max)?));
+        comm.put = Some(Box::new(PutRd::setup(&mut comm, max, args.window)?));
     }
     // The send ring's slots (the write ring has its own, remotely writable).
     let slots: Vec<fabric_core::Region> = (0..if rs_write { 0 } else { args.slots.max(2) })
@@ -1879,7 +1958,14 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, all_local: bool) -> Re
              rd up to {} B ({}), ring chunk {chunk} B x {} slots, reduce-scatter by {}{}",
             args.rd_max_bytes,
             if rd_put {
-                format!("puts up to {} B", args.put_max_bytes.min(args.rd_max_bytes))
+                let how = match comm.put.as_ref() {
+                    Some(p) if p.wins.iter().any(Option::is_some) => "stored through windows",
+                    _ => "posted",
+                };
+                format!(
+                    "puts up to {} B, {how}",
+                    args.put_max_bytes.min(args.rd_max_bytes)
+                )
             } else {
                 "sends".to_string()
             },

@@ -109,22 +109,33 @@ fn correctness(transport: &str) {
             let Some(rows) = rows_of(&a) else { return };
             assert_table(&rows, 4, 256, "rd", &format!("{ctx}, rd by {mode}"));
         }
-        // Puts of vectors as long as one copy block (16 KiB) and longer.
-        let mut a = common.to_vec();
-        a.extend([
-            "--algo",
-            "rd",
-            "--rd-mode",
-            "put",
-            "--put-max-bytes",
-            "32768",
-            "--min-bytes",
-            "16384",
-            "--max-bytes",
-            "32768",
-        ]);
-        let rows = rows_of(&a).expect("built");
-        assert_table(&rows, 16384, 32768, "rd", &format!("{ctx}, rd by put"));
+        // Puts of vectors as long as one copy block (16 KiB) and longer, and (on shm,
+        // which stores them through remote windows by default) posted puts as well.
+        for window in ["true", "false"] {
+            let mut a = common.to_vec();
+            a.extend([
+                "--algo",
+                "rd",
+                "--rd-mode",
+                "put",
+                "--put-max-bytes",
+                "32768",
+                "--window",
+                window,
+                "--min-bytes",
+                "4",
+                "--max-bytes",
+                "32768",
+            ]);
+            let rows = rows_of(&a).expect("built");
+            assert_table(
+                &rows,
+                4,
+                32768,
+                "rd",
+                &format!("{ctx}, rd by put, window {window}"),
+            );
+        }
         // Across the put threshold: puts up to 1 KiB, sends above, in one run (every rank
         // makes the same choice per size).
         let mut a = common.to_vec();
@@ -413,4 +424,36 @@ fn correct_over_verbs_when_available() {
         String::from_utf8_lossy(&out.stderr)
     );
     println!("allreduce over verbs, 2 ranks:\n{table}");
+}
+
+/// On shm recursive doubling's puts go through remote windows unless told otherwise; over
+/// tcp (no windows) they are posted.
+#[test]
+fn puts_use_remote_windows_where_the_transport_maps_peers() {
+    for (transport, window, want) in [
+        ("shm", "true", "stored through windows"),
+        ("shm", "false", "posted"),
+        ("tcp", "true", "posted"),
+    ] {
+        let args = [
+            "--transport",
+            transport,
+            "--rd-mode",
+            "put",
+            "--window",
+            window,
+            "--min-bytes",
+            "4",
+            "--max-bytes",
+            "64",
+        ];
+        let Some(out) = run(&args) else { return };
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{args:?}: {stdout}");
+        let head = stdout.lines().next().unwrap_or_default();
+        assert!(
+            head.contains(want),
+            "{args:?}: header {head:?}, want {want:?}"
+        );
+    }
 }

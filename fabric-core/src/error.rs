@@ -163,6 +163,11 @@ pub enum Error {
     /// operation, a copy, or another borrow. Drop the guard (or wait for the completion).
     #[error("region busy: {0}")]
     Busy(&'static str),
+    /// A remote key names no region the peer has announced on this connection: the region
+    /// was dropped (revoked), the key's generation or value does not match, or its
+    /// announcement has not arrived yet (poll the connection and try again).
+    #[error("remote key refused: {0}")]
+    RemoteKey(&'static str),
     /// An argument is not valid (e.g. an unknown transport name).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

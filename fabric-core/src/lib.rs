@@ -93,7 +93,9 @@
 //! * **shm** ([`backend::shm`]): sealed `memfd` channel with two lock-free SPSC
 //!   [`ring`]s (the `sync` shim swaps in loom under `--cfg fabric_loom`), fds over
 //!   `SCM_RIGHTS` on an abstract Unix socket, peer uid checked; rendezvous (one copy) from
-//!   2 KiB; one-sided ops are copies/atomics on the peer's mapping.
+//!   2 KiB; one-sided ops are copies/atomics on the peer's mapping, which a caller may also
+//!   hold directly as a [`RemoteWindow`] ([`Transport::map_remote`]: loads and stores into
+//!   the peer's region, no operation at all).
 //!   **tcp** ([`backend::tcp`]): framed, non-blocking, one-sided ops emulated.
 //!   **verbs** (`backend::verbs`, feature `verbs`): RC queue pairs on `ibverbs-safe`.
 //! * **Bootstrap** ([`bootstrap`]): versioned, length-limited TCP rendezvous (all-gather of
@@ -117,6 +119,7 @@ mod sync;
 pub mod topology;
 pub mod tracker;
 pub mod transport;
+pub mod window;
 #[cfg(not(fabric_loom))]
 pub mod worker;
 
@@ -135,5 +138,6 @@ pub use transport::{
     AtomicOp, Capabilities, Completion, GroupPostError, MemoryKinds, MessageOrdering, OpKind,
     PostError, PostResult, RecvPart, RemoteKey, Status, Transport, TransportKind,
 };
+pub use window::RemoteWindow;
 #[cfg(not(fabric_loom))]
 pub use worker::{EndpointId, Event, Worker};

@@ -1011,6 +1011,7 @@ mod tests {
             unexpected_bytes: 64,
             too_long_kills_connection: false,
             remote_error_kills_connection: false,
+            remote_window: false,
         }
     }
 

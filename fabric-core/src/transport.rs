@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use crate::error::{DecodeError, Error, Result};
 use crate::region::{Access, Buf, Region};
+use crate::window::RemoteWindow;
 
 /// The backends this crate knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -185,6 +186,9 @@ pub struct Capabilities {
     /// permission) kills the connection (verbs RC) instead of failing only that
     /// operation (shm, tcp).
     pub remote_error_kills_connection: bool,
+    /// [`Transport::map_remote`] maps a peer's region into this process (shm: the peer's
+    /// memory is on this host), so the caller can load and store into it directly.
+    pub remote_window: bool,
 }
 
 impl Default for Capabilities {
@@ -205,6 +209,7 @@ impl Default for Capabilities {
             unexpected_bytes: 0,
             too_long_kills_connection: false,
             remote_error_kills_connection: false,
+            remote_window: false,
         }
     }
 }
@@ -710,6 +715,24 @@ pub trait Transport: Send + fmt::Debug {
     /// Starts what [`hold_posts`](Transport::hold_posts) held and ends the hold (a no-op
     /// without one). Failures of the machinery become error completions, as a post's do.
     fn flush_posts(&mut self) {}
+
+    /// Maps the peer's region named by `key` into this process: a [`RemoteWindow`] whose
+    /// copies and atomic loads and stores reach the peer's memory directly, with no
+    /// operation, completion or poll (see [`crate::window`] for the memory model and what
+    /// revocation does). Only where [`Capabilities::remote_window`] says so (shm).
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] on backends whose peers' memory is not on this host (the
+    /// default); [`Error::Foreign`] for another transport's key; [`Error::RemoteKey`] when
+    /// the peer has not announced the region on this connection (yet), or dropped it, or the
+    /// key does not match it; [`Error::Disconnected`] after the connection failed.
+    fn map_remote(&mut self, key: &RemoteKey) -> Result<RemoteWindow> {
+        let _ = key;
+        Err(Error::Unsupported {
+            transport: self.kind(),
+            what: "mapping a peer's memory (remote windows)",
+        })
+    }
 
     /// Makes progress and moves finished operations into `out`; returns how many.
     ///

@@ -364,6 +364,14 @@ pub(crate) trait Hal: Send + fmt::Debug {
         WatchFds::one(self.wait_fd(), false)
     }
     fn arm(&mut self, t: &Tracker) -> Result<bool>;
+    /// See [`Transport::map_remote`]; the key's transport was checked.
+    fn map_remote(&mut self, key: &RemoteKey) -> Result<crate::RemoteWindow> {
+        let _ = key;
+        Err(Error::Unsupported {
+            transport: self.kind(),
+            what: "mapping a peer's memory (remote windows)",
+        })
+    }
 }
 
 #[doc(hidden)]
@@ -539,6 +547,15 @@ impl<H: Hal> Transport for Endpoint<H> {
     }
     fn attach_worker(&mut self, worker: Option<u64>) -> Option<u64> {
         self.h.attach_worker(worker)
+    }
+    fn map_remote(&mut self, key: &RemoteKey) -> Result<crate::RemoteWindow> {
+        if let Some(why) = self.t.failure() {
+            return Err(Error::Disconnected(why.to_string()));
+        }
+        if key.transport != self.h.kind() {
+            return Err(Error::Foreign("remote key of another transport"));
+        }
+        self.h.map_remote(key)
     }
     fn arm(&mut self) -> Result<bool> {
         // Nothing held back may wait behind a sleeper.

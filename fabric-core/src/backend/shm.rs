@@ -51,8 +51,10 @@ use crate::ring::{self, Consumer, Producer, RingHeader};
 use crate::sys;
 use crate::tracker::{OpDesc, RecvRef, Token, Tracker};
 use crate::transport::{
-    AtomicOp, Capabilities, MemoryKinds, MessageOrdering, Status, Transport, TransportKind,
+    AtomicOp, Capabilities, MemoryKinds, MessageOrdering, RemoteKey, Status, Transport,
+    TransportKind,
 };
+use crate::window::{Mapping, RemoteWindow};
 
 /// The registry entry.
 pub static ENTRY: BackendEntry = BackendEntry {
@@ -700,6 +702,7 @@ fn finish(
         unexpected_bytes: opts.unexpected_bytes,
         too_long_kills_connection: false,
         remote_error_kills_connection: false,
+        remote_window: true,
     };
     let announcer = Arc::new(Announcer {
         queued: AtomicU64::new(0),
@@ -777,8 +780,9 @@ struct RemoteRegion {
     key: u64,
     access: Access,
     len: usize,
-    /// The peer's region, mapped (its memfd is closed once mapped: the mapping stays).
-    map: MmapRaw,
+    /// The peer's region, mapped (its memfd is closed once mapped: the mapping stays, for
+    /// as long as this entry or a [`RemoteWindow`](crate::RemoteWindow) over it lives).
+    map: Arc<Mapping>,
 }
 
 /// The shm backend's byte mover.
@@ -1092,7 +1096,7 @@ impl ShmHal {
             return Ok(None);
         }
         // SAFETY: off + len <= r.len <= mapping length.
-        Ok(Some(unsafe { r.map.as_mut_ptr().add(off as usize) }))
+        Ok(Some(unsafe { r.map.base().add(off as usize) }))
     }
 
     /// Takes the peer's region announcements off the Unix socket (the control path),
@@ -1152,8 +1156,11 @@ impl ShmHal {
             }
             return match self.remote.get_mut(idx) {
                 Some(slot @ Some(_)) if slot.as_ref().is_some_and(|r| r.gen == gen) => {
-                    // Unmapped now: a later operation with the old key is refused.
-                    *slot = None;
+                    // Unmapped now (unless a window holds the mapping): a later operation
+                    // with the old key is refused.
+                    if let Some(r) = slot.take() {
+                        r.map.revoke();
+                    }
                     Ok(true)
                 }
                 _ => Err(Error::Protocol(
@@ -1172,8 +1179,13 @@ impl ShmHal {
                 "announced region larger than its memory".into(),
             ));
         }
-        let map = sys::map_shared(fd.as_fd(), (len as usize).max(1))?;
+        let raw = sys::map_shared(fd.as_fd(), (len as usize).max(1))?;
         drop(fd);
+        let base = raw.as_mut_ptr();
+        // SAFETY: `raw` maps at least `len` bytes (page-aligned) of a memfd whose size is
+        // sealed at `size >= len` (checked above), so the pages stay for as long as the
+        // mapping, which the `Mapping` owns.
+        let map = Arc::new(unsafe { Mapping::new(base, len as usize, Box::new(raw)) });
         if self.remote.len() <= idx {
             self.remote.resize_with(idx + 1, || None);
         }
@@ -1348,7 +1360,7 @@ impl ShmHal {
                                 && check_range(off, len, r.len as u64).is_ok() =>
                         {
                             // SAFETY: off + len <= r.len <= the mapping's length.
-                            unsafe { r.map.as_mut_ptr().add(off as usize) }
+                            unsafe { r.map.base().add(off as usize) }
                         }
                         _ => {
                             return Err(Error::Protocol(
@@ -1578,6 +1590,27 @@ impl Hal for ShmHal {
             self.idle = CHECK_EVERY - 1;
         }
         Ok(!work)
+    }
+
+    fn map_remote(&mut self, key: &RemoteKey) -> Result<RemoteWindow> {
+        let idx = key.region as usize;
+        if self.remote.get(idx).and_then(|r| r.as_ref()).is_none() {
+            // Its announcement (or revocation) may be on the socket by now.
+            self.take_announcements()?;
+        }
+        let Some(r) = self.remote.get(idx).and_then(|r| r.as_ref()) else {
+            return Err(Error::RemoteKey(
+                "the peer has not announced this region on this connection (yet), or dropped it",
+            ));
+        };
+        if r.gen != key.gen || r.key != key.key {
+            return Err(Error::RemoteKey(
+                "the key does not match the peer's region (dropped, its id reused)",
+            ));
+        }
+        let remote = Access::REMOTE_WRITE | Access::REMOTE_READ | Access::REMOTE_ATOMIC;
+        let access = r.access & key.access() & remote;
+        Ok(RemoteWindow::new(r.map.clone(), access, *key))
     }
 }
 

@@ -571,6 +571,7 @@ fn finish(sock: TcpStream, domain: &Domain) -> Result<Box<dyn Transport>> {
         unexpected_bytes: opts.unexpected_bytes,
         too_long_kills_connection: false,
         remote_error_kills_connection: false,
+        remote_window: false,
     };
     let hal = TcpHal {
         domain: domain.clone(),

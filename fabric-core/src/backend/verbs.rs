@@ -1273,6 +1273,7 @@ fn finish(
         // always fits (the sender's max_message), and only the receive fails.
         too_long_kills_connection: !eager,
         remote_error_kills_connection: true,
+        remote_window: false,
     };
     let eager = if eager {
         let rx = match &p.seat.hub.pool {
