@@ -676,9 +676,20 @@ pub fn print_header() {
     );
 }
 
+/// A MiB/s figure with one decimal, or with at least three significant digits below 1 MiB/s
+/// (small messages on a slow host or an emulated guest stream at a few KiB/s, which one
+/// decimal would print as `0.0`). Only a real zero prints as `0.0`.
+pub fn mib_s_figure(b: f64) -> String {
+    if !(b > 0.0 && b < 1.0) {
+        return format!("{b:.1}");
+    }
+    let decimals = (2.0 - b.log10().floor()).clamp(1.0, 15.0) as usize;
+    format!("{b:.decimals$}")
+}
+
 /// Prints one row.
 pub fn print_row(r: &Row) {
-    let bw = r.bw_mib_s.map_or("-".to_string(), |b| format!("{b:.1}"));
+    let bw = r.bw_mib_s.map_or("-".to_string(), mib_s_figure);
     println!(
         "{:>10} {:>8} {:>14.2} {:>12.2} {:>14}",
         r.size, r.iters, r.lat_typical_us, r.lat_p99_us, bw
@@ -931,6 +942,25 @@ pub fn run_sides(
                 return Ok(());
             }
             r
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::mib_s_figure;
+
+    #[test]
+    fn small_bandwidth_figures_keep_three_significant_digits() {
+        assert_eq!(mib_s_figure(1234.56), "1234.6");
+        assert_eq!(mib_s_figure(1.0), "1.0");
+        assert_eq!(mib_s_figure(0.0478), "0.0478");
+        assert_eq!(mib_s_figure(0.5), "0.500");
+        assert_eq!(mib_s_figure(0.000_123_4), "0.000123");
+        assert_eq!(mib_s_figure(0.0), "0.0");
+        for b in [0.9, 0.049, 0.001, 1e-9] {
+            let s = mib_s_figure(b);
+            assert!(s.parse::<f64>().unwrap() > 0.0, "{b} printed as {s}");
         }
     }
 }

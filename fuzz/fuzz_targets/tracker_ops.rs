@@ -386,6 +386,7 @@ fuzz_target!(|inp: Input| {
         unexpected_bytes: inp.unexpected_bytes as usize % 4096,
         too_long_kills_connection: false,
         remote_error_kills_connection: false,
+        remote_window: false,
     };
     let mut t = Tracker::new(CONN, TransportKind::Tcp, caps);
     let mut regions: Vec<Region> = Vec::new();
