@@ -173,6 +173,24 @@ pub fn tag_matches(msg: u64, tag: u64, mask: u64) -> bool {
     (msg ^ tag) & mask == 0
 }
 
+/// The parts of a finished grouped receive (part 0's buffer is the operation's `first`);
+/// a part that was never filled reports the group's status.
+fn group_parts(first: Buf, group: Status, parts: Vec<PartState>) -> Vec<RecvPart> {
+    let mut first = Some(first);
+    parts
+        .into_iter()
+        .filter_map(|s| {
+            Some(RecvPart {
+                buf: s.buf.or_else(|| first.take())?,
+                len: s.len,
+                tag: s.tag,
+                imm: s.imm,
+                status: if s.done { s.status } else { group },
+            })
+        })
+        .collect()
+}
+
 impl PartState {
     fn new(buf: Option<Buf>) -> Self {
         PartState {
@@ -433,6 +451,7 @@ impl Tracker {
     }
 
     /// Takes a slot for an operation that already passed validation.
+    #[inline(always)]
     fn insert(
         &mut self,
         desc: OpDesc,
@@ -693,7 +712,22 @@ impl Tracker {
         Ok(())
     }
 
+    /// Checks a post. Sends and receives (the hot path) take the inline checks; one-sided
+    /// operations go out of line.
+    #[inline]
     fn validate(&self, desc: &OpDesc, buf: &Buf) -> Result<(), Error> {
+        if matches!(desc, OpDesc::Send | OpDesc::Recv)
+            && self.failed.is_none()
+            && buf.region().inner.owner == self.owner
+            && buf.len() <= self.caps.max_message
+        {
+            return Ok(());
+        }
+        self.validate_slow(desc, buf)
+    }
+
+    #[inline(never)]
+    fn validate_slow(&self, desc: &OpDesc, buf: &Buf) -> Result<(), Error> {
         self.common(buf)?;
         let max = self.caps.max_message;
         let remote = |key: &RemoteKey, off: u64, len: usize, need: Access, what| {
@@ -874,41 +908,44 @@ impl Tracker {
                 break;
             };
             let slot = &mut self.slots[t.idx()];
-            let Some(p) = slot.op.take() else { continue };
+            // Only the fields the completion needs leave the slot (not the whole `Pending`).
+            let Some(Pending {
+                wr_id,
+                buf,
+                tag,
+                imm,
+                kind,
+                status,
+                len,
+                value,
+                parts,
+                ..
+            }) = slot.op.take()
+            else {
+                continue;
+            };
             slot.gen = slot.gen.wrapping_add(1);
             self.free.push(t.idx() as u32);
             self.live -= 1;
-            let (buf, parts) = if p.parts.is_empty() {
-                (Some(p.buf), Vec::new())
+            // Written field by field over the caller's old completion (whatever it still
+            // holds is dropped here, as an assignment of the whole would).
+            let c = &mut out[n];
+            c.wr_id = wr_id;
+            c.op = kind;
+            c.status = status;
+            c.len = len;
+            c.value = value;
+            c.tag = tag;
+            c.imm = imm;
+            if parts.is_empty() {
+                c.buf = Some(buf);
+                if !c.parts.is_empty() {
+                    c.parts = Vec::new();
+                }
             } else {
-                let mut first = Some(p.buf);
-                let group = p.status;
-                let parts = p
-                    .parts
-                    .into_iter()
-                    .filter_map(|s| {
-                        Some(RecvPart {
-                            buf: s.buf.or_else(|| first.take())?,
-                            len: s.len,
-                            tag: s.tag,
-                            imm: s.imm,
-                            status: if s.done { s.status } else { group },
-                        })
-                    })
-                    .collect();
-                (None, parts)
-            };
-            out[n] = Completion {
-                wr_id: p.wr_id,
-                op: p.kind,
-                status: p.status,
-                len: p.len,
-                value: p.value,
-                buf,
-                tag: p.tag,
-                imm: p.imm,
-                parts,
-            };
+                c.buf = None;
+                c.parts = group_parts(buf, status, parts);
+            }
             n += 1;
         }
         n
@@ -1170,6 +1207,50 @@ mod tests {
         assert_eq!(c[0].parts.len(), 2);
         assert_eq!(c[0].parts[0].status, Status::Success);
         assert_eq!(c[0].parts[1].status, Status::PeerGone);
+    }
+
+    /// `take` writes a completion field by field over the caller's old one: whatever the old
+    /// one held (a group's parts, a buffer) must not show through in the new one.
+    #[test]
+    fn a_reused_completion_shows_nothing_of_the_old_one() {
+        let mut t = Tracker::new(1, TransportKind::Tcp, caps(8));
+        let r = region(&mut t, 256, Access::empty());
+        let mut out = [Completion::default()];
+        let group = |t: &mut Tracker, id| {
+            let parts = vec![
+                (r.slice(0, 8).unwrap(), 1, !0),
+                (r.slice(8, 8).unwrap(), 2, !0),
+            ];
+            t.post_recv_group(parts, id).unwrap();
+            assert!(arrive(t, 1, b"a") && arrive(t, 2, b"bb"));
+        };
+        group(&mut t, 10);
+        assert_eq!(t.take(&mut out), 1);
+        assert_eq!((out[0].op, out[0].parts.len()), (OpKind::RecvGroup, 2));
+        // A plain receive into the same completion: its buffer, no parts.
+        t.post(OpDesc::Recv, r.slice(32, 16).unwrap(), 11).unwrap();
+        assert!(arrive(&mut t, 7, b"plain"));
+        assert_eq!(t.take(&mut out), 1);
+        let c = &out[0];
+        assert_eq!((c.op, c.wr_id, c.len, c.tag), (OpKind::Recv, 11, 5, 7));
+        assert!(
+            c.parts.is_empty(),
+            "a group's parts left in a plain completion"
+        );
+        assert_eq!(
+            c.buf.as_ref().map(|b| (b.offset(), b.len())),
+            Some((32, 16))
+        );
+        // And a group over a completion that still holds a buffer: no buffer, its parts.
+        group(&mut t, 12);
+        assert_eq!(t.take(&mut out), 1);
+        assert!(
+            out[0].buf.is_none(),
+            "a plain receive's buffer left in a group's completion"
+        );
+        assert_eq!((out[0].wr_id, out[0].parts.len()), (12, 2));
+        assert_eq!(out[0].parts[1].buf.to_vec()[..2], *b"bb");
+        assert_eq!(t.in_flight(), 0);
     }
 
     #[test]
