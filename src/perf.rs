@@ -679,7 +679,7 @@ pub fn print_header() {
 /// A MiB/s figure with one decimal, or with at least three significant digits below 1 MiB/s
 /// (small messages on a slow host or an emulated guest stream at a few KiB/s, which one
 /// decimal would print as `0.0`). Only a real zero prints as `0.0`.
-pub fn mib_s_figure(b: f64) -> String {
+fn mib_s_figure(b: f64) -> String {
     if !(b > 0.0 && b < 1.0) {
         return format!("{b:.1}");
     }

@@ -9,7 +9,7 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use fabric_core::backend::{self, Options};
-use fabric_core::{Access, Completion, OpKind, Status, Transport, TransportKind};
+use fabric_core::{Access, Completion, OpKind, PostError, Status, Transport, TransportKind};
 
 const DEADLINE: Duration = Duration::from_secs(60);
 
@@ -37,6 +37,28 @@ fn pattern(i: usize, len: usize) -> Vec<u8> {
 
 fn size_of(i: usize) -> usize {
     SIZES[i % SIZES.len()]
+}
+
+/// Posts operation `*posted`, `*posted + 1`, ... (up to `count`) into free slots with
+/// `post(slot, operation)`; stops when no slot is free or the transport pushes back (the
+/// slot goes back to `free`). Any other refusal fails the test.
+fn fill(
+    free: &mut Vec<usize>,
+    posted: &mut usize,
+    count: usize,
+    mut post: impl FnMut(usize, usize) -> Result<(), PostError>,
+) {
+    while *posted < count {
+        let Some(s) = free.pop() else { break };
+        match post(s, *posted) {
+            Ok(()) => *posted += 1,
+            Err(e) if e.is_would_block() => {
+                free.push(s);
+                break;
+            }
+            Err(e) => panic!("operation {}: {}", *posted, e.error),
+        }
+    }
 }
 
 /// Drives a sender (`tx`) and a receiver (`rx`) through `count` messages, with at most
@@ -69,20 +91,12 @@ fn stream(
             Instant::now() < end,
             "stalled: {sent} sent, {sends_done} send completions, {received} received of {count}"
         );
-        while sent < count {
-            let Some(s) = free_tx.pop() else { break };
-            let n = size_of(sent);
+        fill(&mut free_tx, &mut sent, count, |s, i| {
+            let n = size_of(i);
             let b = src.slice(s * STRIDE, n).unwrap();
-            b.copy_from(&pattern(sent, n)).unwrap();
-            match tx.post_send(b, s as u64) {
-                Ok(_) => sent += 1,
-                Err(e) if e.is_would_block() => {
-                    free_tx.push(s);
-                    break;
-                }
-                Err(e) => panic!("send {sent}: {}", e.error),
-            }
-        }
+            b.copy_from(&pattern(i, n)).unwrap();
+            tx.post_send(b, s as u64).map(|_| ())
+        });
         let k = tx.poll(&mut out).expect("sender poll");
         for c in out.iter_mut().take(k) {
             assert_eq!((c.op, c.status), (OpKind::Send, Status::Success), "{c:?}");
@@ -102,21 +116,10 @@ fn stream(
                 continue;
             }
         }
-        while posted_rx < count {
-            let Some(s) = free_rx.pop() else { break };
+        fill(&mut free_rx, &mut posted_rx, count, |s, _| {
             let b = dst.slice(s * STRIDE, STRIDE).unwrap();
-            match rx.post_recv(b, s as u64) {
-                Ok(_) => {
-                    rx_order.push_back(s);
-                    posted_rx += 1;
-                }
-                Err(e) if e.is_would_block() => {
-                    free_rx.push(s);
-                    break;
-                }
-                Err(e) => panic!("receive {posted_rx}: {}", e.error),
-            }
-        }
+            rx.post_recv(b, s as u64).map(|_| rx_order.push_back(s))
+        });
         let k = rx.poll(&mut out).expect("receiver poll");
         for c in out.iter_mut().take(k) {
             let want = size_of(received);
