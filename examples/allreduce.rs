@@ -230,7 +230,10 @@ fn run(args: &Args) -> Res<()> {
     if let Some(rank) = args.rank {
         let launch = Launch::explicit(rank, args.ranks, args.bootstrap.clone())?;
         let mesh = mesh_from_launch(&launch, &cfg)?;
-        return bench(args, mesh, true);
+        // Pinned: the run that started us gave every rank a CPU of its own. Otherwise the
+        // CPUs we may use (inherited from that run) decide.
+        let oversubscribed = args.pin_cpu.is_none() && args.ranks as usize > usable_cpus();
+        return bench(args, mesh, oversubscribed);
     }
     if let Some(mut launch) = Launch::from_env()? {
         if launch.server.is_none() {
@@ -248,6 +251,8 @@ fn run(args: &Args) -> Res<()> {
     let addr = server.local_addr()?.to_string();
     let cpus = fabric_core::sys::allowed_cpus().unwrap_or_default();
     let pin = !args.no_pin && cpus.len() >= n as usize && n > 1;
+    // Counted before pinning: a pinned process sees one CPU.
+    let oversubscribed = n as usize > cpus.len().max(1);
     if pin {
         fabric_core::sys::pin_to_cpu(cpus[0])?;
     }
@@ -297,7 +302,7 @@ fn run(args: &Args) -> Res<()> {
     };
     let r = connect_mesh(0, n, Rendezvous::Serve(server), &cfg)
         .map_err(Into::into)
-        .and_then(|mesh| bench(args, mesh, true));
+        .and_then(|mesh| bench(args, mesh, oversubscribed));
     finished.store(true, std::sync::atomic::Ordering::Release);
     let children = watch.join().map_err(|_| "watchdog thread panicked")?;
     let failed = reap(children, r.is_err());
@@ -1875,15 +1880,20 @@ fn sizes(min: usize, max: usize) -> Vec<usize> {
     v
 }
 
-/// Runs every size; `all_local`: every rank runs on this host (this run started them).
-fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, all_local: bool) -> Res<()> {
+/// CPUs this process may run on (1 when that cannot be read).
+fn usable_cpus() -> usize {
+    fabric_core::sys::allowed_cpus().map_or(1, |c| c.len().max(1))
+}
+
+/// Runs every size; `oversubscribed`: this run started more ranks on this host than it has
+/// CPUs for them (waits then yield the CPU at once instead of spinning).
+fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, oversubscribed: bool) -> Res<()> {
     let rank = mesh.rank() as usize;
     let n = mesh.size() as usize;
     let kind = mesh.kind();
     let (domain, peers) = mesh.into_parts();
     let caps = peers.iter().flatten().next().map(|c| c.capabilities());
-    let cpus = std::thread::available_parallelism().map_or(1, |c| c.get());
-    let mut comm = Comm::new(rank, domain.clone(), peers, all_local && n > cpus)?;
+    let mut comm = Comm::new(rank, domain.clone(), peers, oversubscribed)?;
     let support = domain.memory_support();
     let one_sided = args.one_sided
         && caps.is_some_and(|c| c.one_sided)
