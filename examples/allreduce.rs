@@ -119,9 +119,10 @@ struct Args {
     /// send elsewhere.
     #[arg(long)]
     rd_mode: Option<RdMode>,
-    /// Largest message recursive doubling puts (larger ones go by sends): on the loaded
-    /// 2-CPU host puts were faster up to 1 KiB and slower at 2-4 KiB (BENCHMARKS).
-    #[arg(long, default_value_t = 1024)]
+    /// Largest message recursive doubling puts (larger ones go by sends): on the 2-CPU
+    /// host puts were faster than sends at every size up to 32 KiB, with 2 ranks and with
+    /// 3-4 (oversubscribed) (BENCHMARKS).
+    #[arg(long, default_value_t = 32768)]
     put_max_bytes: usize,
     /// Recursive doubling's puts store straight into the partner's slot and flag word
     /// through a remote window (`Transport::map_remote`) where the transport maps peers'
@@ -1965,7 +1966,8 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, oversubscribed: bool) 
     if rank == 0 {
         println!(
             "# fabric allreduce: {n} ranks, transport {kind}, f32 sum, out of place; \
-             rd up to {} B ({}), ring chunk {chunk} B x {} slots, reduce-scatter by {}{}",
+             rd up to {} B ({}), ring chunk {chunk} B x {} slots, reduce-scatter by {}{}; \
+             waits {}",
             args.rd_max_bytes,
             if rd_put {
                 let how = match comm.put.as_ref() {
@@ -1985,6 +1987,11 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, oversubscribed: bool) 
                 ", one-sided all-gather"
             } else {
                 ""
+            },
+            if oversubscribed {
+                "yield (more ranks than CPUs)"
+            } else {
+                "spin"
             }
         );
         println!(

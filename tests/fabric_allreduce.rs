@@ -457,3 +457,36 @@ fn puts_use_remote_windows_where_the_transport_maps_peers() {
         );
     }
 }
+
+/// Ranks that have a CPU each spin while they wait; more ranks than CPUs yield at once.
+/// (A rank pinned to its CPU sees only that one: counting CPUs after pinning once made
+/// every 2-rank run on a 2-CPU host "oversubscribed", and its 4-byte all-reduce took 4x
+/// as long, each wait a `sched_yield`.)
+#[test]
+fn waits_spin_when_every_rank_has_a_cpu() {
+    let cpus = std::thread::available_parallelism().map_or(1, |c| c.get());
+    let mut cases = Vec::new();
+    if cpus >= 2 {
+        cases.push((2, "waits spin"));
+    } else {
+        skip(
+            "cpus",
+            format_args!("one CPU: no run gives every rank a CPU (checking the yield only)"),
+        );
+    }
+    if cpus < 8 {
+        cases.push((cpus + 1, "waits yield"));
+    }
+    for (ranks, want) in cases {
+        let ranks = ranks.to_string();
+        let args = ["--ranks", &ranks, "--min-bytes", "4", "--max-bytes", "4"];
+        let Some(out) = run(&args) else { return };
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{args:?}: {stdout}");
+        let head = stdout.lines().next().unwrap_or_default();
+        assert!(
+            head.contains(want),
+            "{args:?} on {cpus} CPUs: header {head:?}, want {want:?}"
+        );
+    }
+}
