@@ -133,7 +133,7 @@ use crate::region::Buf;
 use crate::transport::{
     AtomicOp, Capabilities, Completion, OpKind, PostResult, RemoteKey, Status, Transport,
 };
-use crate::worker::{EndpointId, Event, Worker};
+use crate::worker::{EndpointId, Worker};
 
 /// The output of an [`Op`]: how it ended, and the buffer it took (always handed back).
 pub type BufResult<T> = (Result<T>, Buf);
@@ -250,13 +250,42 @@ const INLINE_POLL: usize = 4;
 /// this many polls.
 const CLOCK_EVERY: u32 = 16;
 
+/// What an [`Op`] resolves to, taken out of its [`Completion`] (an [`AsyncWorker`]'s
+/// operations are single-buffer ones: no grouped-receive parts to carry).
+struct Finished {
+    op: OpKind,
+    status: Status,
+    len: usize,
+    tag: u64,
+    imm: Option<u32>,
+    value: u64,
+    buf: Option<Buf>,
+}
+
+impl Finished {
+    /// Takes the buffer out of `c` (left to be overwritten by the next poll) and copies
+    /// the rest.
+    #[inline(always)]
+    fn take(c: &mut Completion) -> Finished {
+        Finished {
+            op: c.op,
+            status: c.status,
+            len: c.len,
+            tag: c.tag,
+            imm: c.imm,
+            value: c.value,
+            buf: c.buf.take(),
+        }
+    }
+}
+
 /// One operation's place between its post and its future.
 enum Slot {
     Free,
     /// In flight; the future's waker once it was polled.
     Waiting(Option<Waker>),
     /// Completed; waits for its future to take it.
-    Done(Completion),
+    Done(Finished),
     /// In flight, its future dropped: the completion is dropped when it comes.
     Abandoned,
 }
@@ -269,9 +298,9 @@ struct Table {
     pending: usize,
     /// [`Op`]s posted and neither completed nor dropped.
     live_ops: usize,
-    /// An [`Op`]'s own polls land here (`INLINE_POLL` events, kept between polls so that
-    /// a poll does not build and drop a fresh array of completions).
-    inline: Vec<Event>,
+    /// An [`Op`]'s own polls land here (`INLINE_POLL` completions, kept between polls so
+    /// that a poll does not build and drop a fresh array).
+    inline: Vec<Completion>,
 }
 
 impl Table {
@@ -312,8 +341,8 @@ impl Table {
     }
 }
 
-fn inline_events() -> Vec<Event> {
-    (0..INLINE_POLL).map(|_| Event::default()).collect()
+fn inline_events() -> Vec<Completion> {
+    (0..INLINE_POLL).map(|_| Completion::default()).collect()
 }
 
 type Hook = Box<dyn FnMut() + Send>;
@@ -387,7 +416,7 @@ impl Shared {
     }
 
     /// One poll of the worker; completions go to their slots, wakers into `wake`.
-    fn progress(&self, events: &mut [Event], wake: &mut Vec<Waker>) -> Result<usize> {
+    fn progress(&self, events: &mut [Completion], wake: &mut Vec<Waker>) -> Result<usize> {
         let mut t = lock(&self.table);
         self.dispatch(&mut t, events, None, |w| wake.push(w))
     }
@@ -398,32 +427,33 @@ impl Shared {
     fn dispatch(
         &self,
         t: &mut Table,
-        events: &mut [Event],
-        mut mine: Option<(u64, &mut Option<Completion>)>,
+        events: &mut [Completion],
+        mut mine: Option<(u64, &mut Option<Finished>)>,
         mut wake: impl FnMut(Waker),
     ) -> Result<usize> {
-        let n = t.worker.poll(events)?;
+        let n = t.worker.poll_completions(events)?;
         if n == 0 {
             return Ok(0);
         }
-        for ev in &mut events[..n] {
-            let c = std::mem::take(&mut ev.completion);
+        for c in &mut events[..n] {
             let wr_id = c.wr_id;
             if let Some((id, found)) = mine.as_mut() {
                 if *id == wr_id && matches!(t.get(wr_id), Some(Slot::Waiting(_))) {
                     t.pending -= 1;
                     t.release(wr_id);
-                    **found = Some(c);
+                    **found = Some(Finished::take(c));
                     continue;
                 }
             }
             let Some(slot) = t.get(wr_id) else {
-                // Not ours (cannot happen: every post goes through a slot); drop it.
+                // Not ours (an operation posted on the worker before it was handed over):
+                // dropped, with its buffers, now.
+                *c = Completion::default();
                 continue;
             };
             match std::mem::replace(slot, Slot::Free) {
                 Slot::Waiting(w) => {
-                    *slot = Slot::Done(c);
+                    *slot = Slot::Done(Finished::take(c));
                     t.pending -= 1;
                     if let Some(w) = w {
                         wake(w);
@@ -433,9 +463,14 @@ impl Shared {
                     t.pending -= 1;
                     t.release(wr_id);
                     bump(&self.stats.abandoned);
-                    drop(c);
+                    // Its buffer goes now (the operation is over).
+                    drop(c.buf.take());
                 }
-                other => *slot = other,
+                other => {
+                    // Cannot happen (one completion per post); dropped.
+                    *slot = other;
+                    *c = Completion::default();
+                }
             }
         }
         // Also what the driver's spin watches (no clock read per completion: see
@@ -482,8 +517,8 @@ impl Shared {
 }
 
 async fn drive(shared: Arc<Shared>) {
-    let mut events: Vec<Event> = (0..shared.opts.batch.max(1))
-        .map(|_| Event::default())
+    let mut events: Vec<Completion> = (0..shared.opts.batch.max(1))
+        .map(|_| Completion::default())
         .collect();
     let mut wake = Vec::new();
     let mut last_work = Instant::now();
@@ -878,7 +913,7 @@ fn status_error(op: OpKind, status: Status, len: usize, buf_len: usize) -> Error
     }
 }
 
-fn finish(c: Completion) -> BufResult<Done> {
+fn finish(c: Finished) -> BufResult<Done> {
     let buf = c
         .buf
         .expect("a completion of a single-buffer operation hands its buffer back");
@@ -951,7 +986,7 @@ impl Future for Op {
         let mut k = 0;
         let mut inline = false;
         // This operation's completion when this poll took it from the worker itself.
-        let mut found: Option<Completion> = None;
+        let mut found: Option<Finished> = None;
         if matches!(t.get(wr_id), Some(Slot::Waiting(_))) {
             // Taken out of the table while the table is borrowed by the poll; put back below.
             // (Another thread's Op may hold them while this one spins: then a fresh set.)
