@@ -447,15 +447,20 @@ fn puts_use_remote_windows_where_the_transport_maps_peers() {
             "--max-bytes",
             "64",
         ];
-        let Some(out) = run(&args) else { return };
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success(), "{args:?}: {stdout}");
-        let head = stdout.lines().next().unwrap_or_default();
+        let Some(head) = header(&args) else { return };
         assert!(
             head.contains(want),
             "{args:?}: header {head:?}, want {want:?}"
         );
     }
+}
+
+/// Runs (requiring success) and returns the table's first line, its header.
+fn header(args: &[&str]) -> Option<String> {
+    let out = run(args)?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{args:?}: {stdout}");
+    Some(stdout.lines().next().unwrap_or_default().to_owned())
 }
 
 /// Ranks that have a CPU each spin while they wait; more ranks than CPUs yield at once.
@@ -480,10 +485,7 @@ fn waits_spin_when_every_rank_has_a_cpu() {
     for (ranks, want) in cases {
         let ranks = ranks.to_string();
         let args = ["--ranks", &ranks, "--min-bytes", "4", "--max-bytes", "4"];
-        let Some(out) = run(&args) else { return };
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success(), "{args:?}: {stdout}");
-        let head = stdout.lines().next().unwrap_or_default();
+        let Some(head) = header(&args) else { return };
         assert!(
             head.contains(want),
             "{args:?} on {cpus} CPUs: header {head:?}, want {want:?}"
