@@ -334,6 +334,19 @@ impl Table {
         }
     }
 
+    /// Puts an [`Op`]'s poll array back. What is there is usually the empty `Vec` its
+    /// `take` left (no allocation: not dropped, which would be an out-of-line call); when
+    /// another thread's `Op` put its own array back meanwhile, that one is dropped.
+    #[inline(always)]
+    fn put_back_inline(&mut self, events: Vec<Completion>) {
+        let old = std::mem::replace(&mut self.inline, events);
+        if old.capacity() == 0 {
+            std::mem::forget(old);
+        } else {
+            drop(old);
+        }
+    }
+
     /// A refused post: the slot goes back, the operation never ran.
     fn unclaim(&mut self, wr_id: u64) {
         self.pending -= 1;
@@ -1014,13 +1027,13 @@ impl Future for Op {
                     && k < INLINE_POLL
                     && matches!(t.get(wr_id), Some(Slot::Waiting(_)));
                 if !waiting || shared.opts.op_spin.is_zero() {
-                    t.inline = events;
+                    t.put_back_inline(events);
                     break;
                 }
                 if rounds.is_multiple_of(CLOCK_EVERY) {
                     let now = Instant::now();
                     if now >= *spin_until.get_or_insert(now + shared.opts.op_spin) {
-                        t.inline = events;
+                        t.put_back_inline(events);
                         break;
                     }
                 }
