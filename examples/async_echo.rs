@@ -383,12 +383,12 @@ async fn async_pings(t: Box<dyn Transport>, args: &Args) -> Res<(f64, AsyncWorke
         }
         let recv = w.recv(ep, rx);
         let send = w.send(ep, tx);
-        // The reply first: the poll that finds it also collects the send's completion,
-        // which the send's await then only picks up (awaiting the send first would poll
-        // the worker once more per round trip).
-        let (res, b) = recv.await;
-        res?;
+        // The send first: its completion is there while the message is on its way, so
+        // collecting it costs nothing on the round trip's critical path (the reply, once
+        // it is there, then goes straight back to this task).
         let (res, t) = send.await;
+        res?;
+        let (res, b) = recv.await;
         res?;
         (tx, rx) = (t, b);
     }
@@ -466,23 +466,21 @@ fn latency_peer(args: &Args, addr: &str) -> Res<()> {
         // the message found its completion too), not awaited before the next receive.
         let mut next = first;
         let mut free = vec![r.slice(3 * SLOT, SLOT)?, r.slice(4 * SLOT, SLOT)?];
-        let mut echo: Option<fabric_core::async_worker::Op> = None;
         loop {
             let (res, mut got) = next.await;
             let d = res?;
-            if let Some(e) = echo.take() {
-                let (res, mut sent) = e.await;
-                res?;
-                sent.set_len(SLOT)?;
-                free.push(sent);
-            }
             if d.len == 1 {
                 break;
             }
             // posted before the echo
             next = w.recv(ep, free.pop().ok_or("no free receive buffer")?);
             got.set_len(d.len)?;
-            echo = Some(w.send(ep, got));
+            // The echo's send is collected while it travels (off the round trip's
+            // critical path: the next message cannot come before the echo arrived).
+            let (res, mut sent) = w.send(ep, got).await;
+            res?;
+            sent.set_len(SLOT)?;
+            free.push(sent);
         }
         Ok::<_, Box<dyn std::error::Error>>(())
     })?;

@@ -290,27 +290,29 @@ enum Slot {
     Abandoned,
 }
 
-struct Table {
-    worker: Worker,
+/// The operations' slots: an operation's `wr_id` is its slot's generation (high half) and
+/// index (low half).
+struct Slots {
     slots: Vec<(u32, Slot)>,
     free: Vec<u32>,
     /// Slots `Waiting` or `Abandoned` (operations still in flight).
     pending: usize,
-    /// [`Op`]s posted and neither completed nor dropped.
-    live_ops: usize,
-    /// An [`Op`]'s own polls land here (`INLINE_POLL` completions, kept between polls so
-    /// that a poll does not build and drop a fresh array).
-    inline: Vec<Completion>,
 }
 
-impl Table {
+impl Slots {
+    fn new() -> Slots {
+        Slots {
+            slots: Vec::new(),
+            free: Vec::new(),
+            pending: 0,
+        }
+    }
+
+    #[inline]
     fn claim(&mut self) -> u64 {
         let index = match self.free.pop() {
             Some(i) => i,
-            None => {
-                self.slots.push((0, Slot::Free));
-                (self.slots.len() - 1) as u32
-            }
+            None => self.grow(),
         };
         let s = &mut self.slots[index as usize];
         s.0 = s.0.wrapping_add(1);
@@ -319,6 +321,14 @@ impl Table {
         ((s.0 as u64) << 32) | index as u64
     }
 
+    /// A new slot (the table only grows: slots are reused through `free`).
+    #[cold]
+    fn grow(&mut self) -> u32 {
+        self.slots.push((0, Slot::Free));
+        (self.slots.len() - 1) as u32
+    }
+
+    #[inline]
     fn get(&mut self, wr_id: u64) -> Option<&mut Slot> {
         let (gen, index) = ((wr_id >> 32) as u32, wr_id as u32);
         match self.slots.get_mut(index as usize) {
@@ -327,23 +337,15 @@ impl Table {
         }
     }
 
+    /// Frees the slot of `wr_id` (a stale id frees nothing).
+    #[inline]
     fn release(&mut self, wr_id: u64) {
-        if let Some(s) = self.get(wr_id) {
-            *s = Slot::Free;
-            self.free.push(wr_id as u32);
-        }
-    }
-
-    /// Puts an [`Op`]'s poll array back. What is there is usually the empty `Vec` its
-    /// `take` left (no allocation: not dropped, which would be an out-of-line call); when
-    /// another thread's `Op` put its own array back meanwhile, that one is dropped.
-    #[inline(always)]
-    fn put_back_inline(&mut self, events: Vec<Completion>) {
-        let old = std::mem::replace(&mut self.inline, events);
-        if old.capacity() == 0 {
-            std::mem::forget(old);
-        } else {
-            drop(old);
+        let index = wr_id as u32;
+        if let Some((g, s)) = self.slots.get_mut(index as usize) {
+            if *g == (wr_id >> 32) as u32 {
+                *s = Slot::Free;
+                self.free.push(index);
+            }
         }
     }
 
@@ -352,6 +354,16 @@ impl Table {
         self.pending -= 1;
         self.release(wr_id);
     }
+}
+
+struct Table {
+    worker: Worker,
+    ops: Slots,
+    /// [`Op`]s posted and neither completed nor dropped.
+    live_ops: usize,
+    /// An [`Op`]'s own polls land here (`INLINE_POLL` completions, kept between polls so
+    /// that a poll does not build and drop a fresh array).
+    inline: Vec<Completion>,
 }
 
 fn inline_events() -> Vec<Completion> {
@@ -387,12 +399,17 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Shared {
+    #[inline]
     fn kick(&self) {
         // Already kicked (the driver has not taken it yet, e.g. while it spins): nothing to
         // add, and no read-modify-write on the per-operation path.
-        if self.kicked.load(Ordering::Acquire) {
-            return;
+        if !self.kicked.load(Ordering::Acquire) {
+            self.kick_slow();
         }
+    }
+
+    #[cold]
+    fn kick_slow(&self) {
         if !self.kicked.swap(true, Ordering::AcqRel) {
             if let Some(w) = lock(&self.driver).take() {
                 w.wake();
@@ -431,65 +448,11 @@ impl Shared {
     /// One poll of the worker; completions go to their slots, wakers into `wake`.
     fn progress(&self, events: &mut [Completion], wake: &mut Vec<Waker>) -> Result<usize> {
         let mut t = lock(&self.table);
-        self.dispatch(&mut t, events, None, |w| wake.push(w))
-    }
-
-    /// Polls the (locked) worker into `events` and hands each completion to its slot. With
-    /// `mine` (an [`Op`] polling for itself), that operation's own completion goes straight
-    /// to `mine.1` and its slot is released at once (it never sits in the table).
-    fn dispatch(
-        &self,
-        t: &mut Table,
-        events: &mut [Completion],
-        mut mine: Option<(u64, &mut Option<Finished>)>,
-        mut wake: impl FnMut(Waker),
-    ) -> Result<usize> {
-        let n = t.worker.poll_completions(events)?;
-        if n == 0 {
-            return Ok(0);
-        }
-        for c in &mut events[..n] {
-            let wr_id = c.wr_id;
-            if let Some((id, found)) = mine.as_mut() {
-                if *id == wr_id && matches!(t.get(wr_id), Some(Slot::Waiting(_))) {
-                    t.pending -= 1;
-                    t.release(wr_id);
-                    **found = Some(Finished::take(c));
-                    continue;
-                }
-            }
-            let Some(slot) = t.get(wr_id) else {
-                // Not ours (an operation posted on the worker before it was handed over):
-                // dropped, with its buffers, now.
-                *c = Completion::default();
-                continue;
-            };
-            match std::mem::replace(slot, Slot::Free) {
-                Slot::Waiting(w) => {
-                    *slot = Slot::Done(Finished::take(c));
-                    t.pending -= 1;
-                    if let Some(w) = w {
-                        wake(w);
-                    }
-                }
-                Slot::Abandoned => {
-                    t.pending -= 1;
-                    t.release(wr_id);
-                    bump(&self.stats.abandoned);
-                    // Its buffer goes now (the operation is over).
-                    drop(c.buf.take());
-                }
-                other => {
-                    // Cannot happen (one completion per post); dropped.
-                    *slot = other;
-                    *c = Completion::default();
-                }
-            }
-        }
-        // Also what the driver's spin watches (no clock read per completion: see
-        // `recently_busy`).
-        add_locked(&self.stats.completions, n as u64);
-        Ok(n)
+        let t = &mut *t;
+        dispatch(&self.stats, &mut t.worker, &mut t.ops, events, None, |w| {
+            wake.push(w)
+        })
+        .map(|(n, _)| n)
     }
 
     /// Whether a completion came (here or in an [`Op`]'s own poll) within the spin time.
@@ -527,6 +490,67 @@ impl Shared {
             Poll::Pending => Poll::Pending,
         }
     }
+}
+
+/// Polls the (locked) worker into `events` and hands each completion to its slot; returns
+/// how many came. With `mine` (the `wr_id` of an [`Op`] polling for itself), that
+/// operation's own completion stays in `events` (its index is returned) and its slot is
+/// released at once: it never sits in the table.
+#[inline(always)]
+fn dispatch(
+    stats: &Counters,
+    worker: &mut Worker,
+    ops: &mut Slots,
+    events: &mut [Completion],
+    mine: Option<u64>,
+    mut wake: impl FnMut(Waker),
+) -> Result<(usize, Option<usize>)> {
+    let n = worker.poll_completions(events)?;
+    let mut found = None;
+    for (i, c) in events[..n].iter_mut().enumerate() {
+        let wr_id = c.wr_id;
+        if mine == Some(wr_id) {
+            // Its slot is `Waiting`: an Op that is polled exists, and it takes a `Done`
+            // slot before it polls the worker.
+            ops.pending -= 1;
+            ops.release(wr_id);
+            found = Some(i);
+            continue;
+        }
+        let Some(slot) = ops.get(wr_id) else {
+            // Not ours (an operation posted on the worker before it was handed over):
+            // dropped, with its buffers, now.
+            *c = Completion::default();
+            continue;
+        };
+        match std::mem::replace(slot, Slot::Free) {
+            Slot::Waiting(w) => {
+                *slot = Slot::Done(Finished::take(c));
+                ops.pending -= 1;
+                if let Some(w) = w {
+                    wake(w);
+                }
+            }
+            Slot::Abandoned => {
+                ops.pending -= 1;
+                ops.release(wr_id);
+                bump(&stats.abandoned);
+                // Its buffer goes now (the operation is over).
+                drop(c.buf.take());
+            }
+            other => {
+                // Cannot happen (one completion per post); dropped.
+                *slot = other;
+                *c = Completion::default();
+            }
+        }
+    }
+    if n > 0 {
+        // Also what the driver's spin watches (no clock read per completion: see
+        // `recently_busy`).
+        add_locked(&stats.completions, n as u64);
+    }
+    Ok((n, found))
 }
 
 async fn drive(shared: Arc<Shared>) {
@@ -684,9 +708,7 @@ impl AsyncWorker {
             domain: worker.domain().clone(),
             table: Mutex::new(Table {
                 worker,
-                slots: Vec::new(),
-                free: Vec::new(),
-                pending: 0,
+                ops: Slots::new(),
                 live_ops: 0,
                 inline: inline_events(),
             }),
@@ -730,7 +752,7 @@ impl AsyncWorker {
 
     /// Operations posted and not yet completed (including those whose future was dropped).
     pub fn in_flight(&self) -> usize {
-        lock(&self.shared.table).pending
+        lock(&self.shared.table).ops.pending
     }
 
     /// Test hook: `hook` runs in the driver after every poll that found nothing and before
@@ -820,8 +842,9 @@ impl AsyncWorker {
         buf: Buf,
         post: impl FnOnce(&mut dyn Transport, Buf, u64) -> PostResult,
     ) -> Op {
-        let mut t = lock(&self.shared.table);
-        let wr_id = t.claim();
+        let mut g = lock(&self.shared.table);
+        let t = &mut *g;
+        let wr_id = t.ops.claim();
         let r = match t.worker.endpoint(ep) {
             Ok(conn) => post(conn, buf, wr_id),
             Err(error) => Err(crate::PostError { error, buf }),
@@ -830,7 +853,7 @@ impl AsyncWorker {
             Ok(()) => {
                 add_locked(&self.shared.stats.posts, 1);
                 t.live_ops += 1;
-                drop(t);
+                drop(g);
                 self.shared.kick();
                 Op {
                     shared: Some(self.shared.clone()),
@@ -839,7 +862,7 @@ impl AsyncWorker {
                 }
             }
             Err(e) => {
-                t.unclaim(wr_id);
+                t.ops.unclaim(wr_id);
                 Op {
                     shared: None,
                     wr_id: 0,
@@ -983,104 +1006,99 @@ impl Future for Op {
     /// When polled again after it returned `Ready`.
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
-        if let Some(r) = this.refused.take() {
-            let (e, b) = *r;
+        let Some(shared) = this.shared.as_deref() else {
+            let (e, b) = *this.refused.take().expect("Op polled after it completed");
             return Poll::Ready((Err(e), b));
-        }
-        let shared = this.shared.as_ref().expect("Op polled after it completed");
+        };
         let wr_id = this.wr_id;
-        let mut t = lock(&shared.table);
-        // Not done yet: poll the worker here first (the completion is often there already,
-        // e.g. a send's), which saves a round through the driver task. Others' completions
-        // found on the way are handed to their slots and their tasks woken (after the
-        // unlock). A failing poll is left to the driver (it counts and retries).
+        let mut g = lock(&shared.table);
+        // Others' completions found by this poll: their tasks are woken after the unlock.
         let mut woken: [Option<Waker>; INLINE_POLL] = Default::default();
         // How many of `woken` are set (only those are looked at again).
         let mut k = 0;
-        let mut inline = false;
-        // This operation's completion when this poll took it from the worker itself.
-        let mut found: Option<Finished> = None;
-        if matches!(t.get(wr_id), Some(Slot::Waiting(_))) {
-            // Taken out of the table while the table is borrowed by the poll; put back below.
-            // (Another thread's Op may hold them while this one spins: then a fresh set.)
-            let mut events = std::mem::take(&mut t.inline);
-            if events.len() < INLINE_POLL {
-                events = inline_events();
+        let out = match g.ops.get(wr_id) {
+            Some(Slot::Done(_)) => {
+                let Some(Slot::Done(c)) =
+                    g.ops.get(wr_id).map(|s| std::mem::replace(s, Slot::Free))
+                else {
+                    unreachable!()
+                };
+                g.ops.release(wr_id);
+                Some(c)
             }
-            // The spin's deadline is read from the clock only once the first poll found
-            // nothing (a send's completion is usually there at once), and then every
-            // `CLOCK_EVERY` polls: a clock read costs as much as an empty poll.
-            let mut spin_until: Option<Instant> = None;
-            let mut rounds = 0u32;
-            loop {
-                let room = INLINE_POLL - k;
-                let _ = shared.dispatch(
-                    &mut t,
-                    &mut events[..room],
-                    Some((wr_id, &mut found)),
-                    |w| {
-                        woken[k] = Some(w);
-                        k += 1;
-                    },
-                );
-                let waiting = found.is_none()
-                    && k < INLINE_POLL
-                    && matches!(t.get(wr_id), Some(Slot::Waiting(_)));
-                if !waiting || shared.opts.op_spin.is_zero() {
-                    t.put_back_inline(events);
-                    break;
-                }
-                if rounds.is_multiple_of(CLOCK_EVERY) {
-                    let now = Instant::now();
-                    if now >= *spin_until.get_or_insert(now + shared.opts.op_spin) {
-                        t.put_back_inline(events);
-                        break;
+            Some(Slot::Waiting(_)) => {
+                // Not done yet: poll the worker here first (the completion is often there
+                // already, e.g. a send's), which saves a round through the driver task. A
+                // failing poll is left to the driver (it counts and retries). The spin's
+                // deadline is read from the clock only once the first poll found nothing,
+                // and then every `CLOCK_EVERY` polls: a clock read costs as much as an
+                // empty poll.
+                let mut spin_until: Option<Instant> = None;
+                let mut rounds = 0u32;
+                let out = loop {
+                    let t = &mut *g;
+                    let room = INLINE_POLL - k;
+                    if t.inline.len() < INLINE_POLL {
+                        t.inline = inline_events();
+                    }
+                    let r = dispatch(
+                        &shared.stats,
+                        &mut t.worker,
+                        &mut t.ops,
+                        &mut t.inline[..room],
+                        Some(wr_id),
+                        |w| {
+                            woken[k] = Some(w);
+                            k += 1;
+                        },
+                    );
+                    if let Ok((_, Some(i))) = r {
+                        break Some(Finished::take(&mut t.inline[i]));
+                    }
+                    if k == INLINE_POLL || shared.opts.op_spin.is_zero() {
+                        break None;
+                    }
+                    if rounds.is_multiple_of(CLOCK_EVERY) {
+                        let now = Instant::now();
+                        if now >= *spin_until.get_or_insert(now + shared.opts.op_spin) {
+                            break None;
+                        }
+                    }
+                    rounds = rounds.wrapping_add(1);
+                    // Posts from other threads get the worker between two polls.
+                    drop(g);
+                    std::hint::spin_loop();
+                    g = lock(&shared.table);
+                    // Another thread's poll may have finished it meanwhile.
+                    if let Some(Slot::Done(_)) = g.ops.get(wr_id) {
+                        let Some(Slot::Done(c)) =
+                            g.ops.get(wr_id).map(|s| std::mem::replace(s, Slot::Free))
+                        else {
+                            unreachable!()
+                        };
+                        g.ops.release(wr_id);
+                        break Some(c);
+                    }
+                };
+                if out.is_none() {
+                    if let Some(Slot::Waiting(w)) = g.ops.get(wr_id) {
+                        if !w.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+                            *w = Some(cx.waker().clone());
+                        }
                     }
                 }
-                rounds = rounds.wrapping_add(1);
-                // Posts from other threads get the worker between two polls.
-                drop(t);
-                std::hint::spin_loop();
-                t = lock(&shared.table);
+                // That poll may have taken a parked endpoint's fd event and left the
+                // endpoint active (no longer watched): have the driver poll and arm again
+                // before it sleeps, or work arriving there would wake nobody.
+                shared.kick();
+                out
             }
-            // That poll may have taken a parked endpoint's fd event and left the endpoint
-            // active (no longer watched): have the driver poll and arm again before it
-            // sleeps, or work arriving there would wake nobody.
-            inline = true;
-        }
-        let mut last = false;
-        let out = if found.is_some() {
-            // Its slot went back already (in `dispatch`).
-            last = shared.op_finished(&mut t);
-            found
-        } else {
-            let Some(slot) = t.get(wr_id) else {
+            Some(Slot::Free | Slot::Abandoned) | None => {
                 unreachable!("an Op's slot stays claimed until the Op takes or drops it")
-            };
-            match slot {
-                Slot::Done(_) => {
-                    let Slot::Done(c) = std::mem::replace(slot, Slot::Free) else {
-                        unreachable!()
-                    };
-                    t.release(wr_id);
-                    last = shared.op_finished(&mut t);
-                    Some(c)
-                }
-                Slot::Waiting(w) => {
-                    if !w.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
-                        *w = Some(cx.waker().clone());
-                    }
-                    None
-                }
-                Slot::Free | Slot::Abandoned => {
-                    unreachable!("an Op's slot stays claimed until the Op takes or drops it")
-                }
             }
         };
-        drop(t);
-        if inline {
-            shared.kick();
-        }
+        let last = out.is_some() && shared.op_finished(&mut g);
+        drop(g);
         for w in woken[..k].iter_mut().filter_map(Option::take) {
             w.wake();
         }
@@ -1104,8 +1122,9 @@ impl Drop for Op {
             return;
         };
         let (done, last) = {
-            let mut t = lock(&shared.table);
-            let done = match t.get(self.wr_id) {
+            let mut g = lock(&shared.table);
+            let t = &mut *g;
+            let done = match t.ops.get(self.wr_id) {
                 Some(slot @ Slot::Waiting(_)) => {
                     // Still in flight: the transport holds the buffer; the driver drops the
                     // completion (and the buffer) when it comes.
@@ -1114,12 +1133,12 @@ impl Drop for Op {
                 }
                 Some(slot @ Slot::Done(_)) => {
                     let c = std::mem::replace(slot, Slot::Free);
-                    t.release(self.wr_id);
+                    t.ops.release(self.wr_id);
                     Some(c)
                 }
                 _ => None,
             };
-            (done, shared.op_finished(&mut t))
+            (done, shared.op_finished(t))
         };
         // The operation is over for its future: its buffer may go (outside the lock).
         drop(done);
@@ -1143,15 +1162,7 @@ mod tests {
 
     #[test]
     fn slot_ids_carry_a_generation() {
-        let d = Domain::open(crate::TransportKind::Shm, &Default::default()).unwrap();
-        let mut t = Table {
-            worker: Worker::new(&d).unwrap(),
-            slots: Vec::new(),
-            free: Vec::new(),
-            pending: 0,
-            live_ops: 0,
-            inline: inline_events(),
-        };
+        let mut t = Slots::new();
         let a = t.claim();
         assert_eq!(t.pending, 1);
         t.unclaim(a);
