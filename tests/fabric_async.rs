@@ -613,6 +613,66 @@ fn driver_stops_after_the_last_handle_and_operation(kind: TransportKind, test: &
     );
 }
 
+/// An operation outlives its runtime and every handle: the driver task went with the
+/// runtime, so the operation's future alone keeps the worker; dropping it (the operation
+/// still in flight) drops the worker and its connections, which the peer sees.
+fn an_op_outliving_its_runtime_is_the_last_to_go(kind: TransportKind, test: &str) {
+    let _g = serial();
+    let Some(d) = open(kind, test) else { return };
+    let peer_saw = within(120, move || {
+        let rt = current_thread();
+        let mut listener = d.listen().unwrap();
+        let addr = listener.address().to_owned();
+        let peer = std::thread::spawn(move || {
+            let d = Domain::open(kind, &Options::default()).unwrap();
+            let mut c = d.connect(&addr).unwrap();
+            let mut t = backend::connect_timeout(c.as_mut(), Duration::from_secs(60)).unwrap();
+            let r = d.register(64, Access::empty()).unwrap();
+            t.post_recv(r.slice(0, 8).unwrap(), 2)
+                .map_err(|e| e.error)
+                .unwrap();
+            // nothing is ever sent here: the receive ends with the connection
+            complete(t.as_mut(), Duration::from_secs(60)).status
+        });
+        let r = d.register(64, Access::empty()).unwrap();
+        let op = rt.block_on(async {
+            let w = AsyncWorker::new(&d).unwrap();
+            let ep = w.accept(listener.as_mut()).await.unwrap();
+            w.recv(ep, r.slice(0, 64).unwrap())
+        });
+        drop(rt); // the driver task goes with its runtime; the handle went before
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(
+            !peer.is_finished(),
+            "the connection went while an operation held it"
+        );
+        assert!(op.is_posted());
+        drop(op); // still in flight: the last hold on the worker goes
+        peer.join().unwrap()
+    });
+    println!("{test}: the peer's receive ended with {peer_saw:?}");
+    assert!(
+        !peer_saw.is_ok(),
+        "the peer's receive completed: {peer_saw:?}"
+    );
+}
+
+#[test]
+fn shm_async_an_op_outliving_its_runtime_is_the_last_to_go() {
+    an_op_outliving_its_runtime_is_the_last_to_go(
+        TransportKind::Shm,
+        "shm_async_an_op_outliving_its_runtime_is_the_last_to_go",
+    );
+}
+
+#[test]
+fn tcp_async_an_op_outliving_its_runtime_is_the_last_to_go() {
+    an_op_outliving_its_runtime_is_the_last_to_go(
+        TransportKind::Tcp,
+        "tcp_async_an_op_outliving_its_runtime_is_the_last_to_go",
+    );
+}
+
 #[test]
 fn shm_async_driver_stops_after_the_last_handle_and_operation() {
     driver_stops_after_the_last_handle_and_operation(

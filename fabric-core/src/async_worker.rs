@@ -59,10 +59,11 @@
 //! once (up to four completions; the others' are handed to their slots): a send's
 //! completion is usually there at once, and taking it there saves a round through the
 //! driver task. With [`AsyncOptions::op_spin`] it keeps polling for that long (releasing the
-//! worker between polls) before it returns `Pending`: a latency-bound task then waits like
-//! a blocking busy-poll, at the price of holding the runtime's thread meanwhile. Because such a poll may move an endpoint whose fd fired back to the active
-//! queue (where no fd watches it), it kicks the driver, which then polls and arms again
-//! before it sleeps.
+//! worker every 16 polls, when other threads' posts and polls get their turn) before it
+//! returns `Pending`: a latency-bound task then waits like a blocking busy-poll, at the
+//! price of holding the runtime's thread meanwhile. Because such a poll may move an
+//! endpoint whose fd fired back to the active queue (where no fd watches it), it kicks the
+//! driver, which then polls and arms again before it sleeps.
 //!
 //! # No lost completion
 //!
@@ -119,6 +120,7 @@ use std::fmt;
 use std::future::Future;
 use std::os::fd::OwnedFd;
 use std::pin::Pin;
+use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
@@ -364,6 +366,10 @@ struct Table {
     /// An [`Op`]'s own polls land here (`INLINE_POLL` completions, kept between polls so
     /// that a poll does not build and drop a fresh array).
     inline: Vec<Completion>,
+    /// The hold of every live [`Op`] on the shared state: taken by the first post, given up
+    /// only when no handle and no `Op` is left (so an `Op` points at the state without a
+    /// reference count of its own: no atomic read-modify-write per operation).
+    keep: Option<Arc<Shared>>,
 }
 
 fn inline_events() -> Vec<Completion> {
@@ -426,16 +432,30 @@ impl Shared {
     /// goes down before the table is locked, and an [`Op`] that finishes checks it under the
     /// lock: whichever of the two comes second sees the other and closes.)
     fn drop_user(&self) {
-        if self.users.fetch_sub(1, Ordering::AcqRel) == 1 && lock(&self.table).live_ops == 0 {
-            self.close();
+        if self.users.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let last = {
+                let mut t = lock(&self.table);
+                (t.live_ops == 0).then(|| t.keep.take())
+            };
+            if let Some(keep) = last {
+                self.close();
+                // The caller's handle still holds the state: this is not its last reference.
+                drop(keep);
+            }
         }
     }
 
-    /// An [`Op`] completed or was dropped (under the table's lock): whether it was the last
-    /// user, and the driver must be closed (after the lock is released).
-    fn op_finished(&self, t: &mut Table) -> bool {
+    /// An [`Op`] completed or was dropped (under the table's lock). `Some` when it was the
+    /// last user: the driver must be closed after the lock is released, and the table's
+    /// hold on the state (inside) dropped after every other use of it.
+    #[inline]
+    fn op_finished(&self, t: &mut Table) -> Option<Option<Arc<Shared>>> {
         t.live_ops -= 1;
-        t.live_ops == 0 && self.users.load(Ordering::Acquire) == 0
+        if t.live_ops == 0 && self.users.load(Ordering::Acquire) == 0 {
+            Some(t.keep.take())
+        } else {
+            None
+        }
     }
 
     fn close(&self) {
@@ -711,6 +731,7 @@ impl AsyncWorker {
                 ops: Slots::new(),
                 live_ops: 0,
                 inline: inline_events(),
+                keep: None,
             }),
             opts,
             users: AtomicUsize::new(1),
@@ -853,10 +874,13 @@ impl AsyncWorker {
             Ok(()) => {
                 add_locked(&self.shared.stats.posts, 1);
                 t.live_ops += 1;
+                if t.keep.is_none() {
+                    t.keep = Some(self.shared.clone());
+                }
                 drop(g);
                 self.shared.kick();
                 Op {
-                    shared: Some(self.shared.clone()),
+                    shared: Some(NonNull::from(&*self.shared)),
                     wr_id,
                     refused: None,
                 }
@@ -976,12 +1000,22 @@ fn finish(c: Finished) -> BufResult<Done> {
 /// Dropping it does not cancel the operation (see the [module docs](self#cancellation)).
 #[must_use = "an Op does nothing more when not awaited: the operation is already posted, and dropping it only forgets the result"]
 pub struct Op {
-    shared: Option<Arc<Shared>>,
+    /// The worker's shared state while the operation is posted and its result not taken.
+    /// Valid for as long as this `Op` is counted in the table's `live_ops`: the table's
+    /// `keep` holds the state while any `Op` is.
+    shared: Option<NonNull<Shared>>,
     wr_id: u64,
     /// A refused post's error and buffer (boxed: the posted case, the hot one, moves a
     /// small `Op`).
     refused: Option<Box<(Error, Buf)>>,
 }
+
+// SAFETY: `Op` only reaches `Shared` (which is `Send + Sync`) through its pointer, by
+// shared reference, as an `Arc<Shared>` would; the pointer stays valid wherever the `Op`
+// goes (see `Op::shared`).
+unsafe impl Send for Op {}
+// SAFETY: as above; `&Op` only reads whether the pointer is set.
+unsafe impl Sync for Op {}
 
 impl fmt::Debug for Op {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -1006,10 +1040,13 @@ impl Future for Op {
     /// When polled again after it returned `Ready`.
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
-        let Some(shared) = this.shared.as_deref() else {
+        let Some(ptr) = this.shared else {
             let (e, b) = *this.refused.take().expect("Op polled after it completed");
             return Poll::Ready((Err(e), b));
         };
+        // SAFETY: this Op is counted in `live_ops` until below (see `Op::shared`), and the
+        // reference is not used after the table's hold (`last`) is dropped.
+        let shared: &Shared = unsafe { ptr.as_ref() };
         let wr_id = this.wr_id;
         let mut g = lock(&shared.table);
         // Others' completions found by this poll: their tasks are woken after the unlock.
@@ -1065,7 +1102,13 @@ impl Future for Op {
                         }
                     }
                     rounds = rounds.wrapping_add(1);
-                    // Posts from other threads get the worker between two polls.
+                    std::hint::spin_loop();
+                    if !rounds.is_multiple_of(CLOCK_EVERY) {
+                        continue;
+                    }
+                    // Posts from other threads get the worker every `CLOCK_EVERY` polls
+                    // (not after each: a lock and an unlock cost two atomic
+                    // read-modify-writes, more than an empty poll).
                     drop(g);
                     std::hint::spin_loop();
                     g = lock(&shared.table);
@@ -1097,17 +1140,22 @@ impl Future for Op {
                 unreachable!("an Op's slot stays claimed until the Op takes or drops it")
             }
         };
-        let last = out.is_some() && shared.op_finished(&mut g);
+        let last = if out.is_some() {
+            shared.op_finished(&mut g)
+        } else {
+            None
+        };
         drop(g);
         for w in woken[..k].iter_mut().filter_map(Option::take) {
             w.wake();
         }
         match out {
             Some(c) => {
-                if let Some(s) = this.shared.take() {
-                    if last {
-                        s.close();
-                    }
+                this.shared = None;
+                if let Some(keep) = last {
+                    shared.close();
+                    // The last use of `shared`: the state may go with it.
+                    drop(keep);
                 }
                 Poll::Ready(finish(c))
             }
@@ -1118,9 +1166,12 @@ impl Future for Op {
 
 impl Drop for Op {
     fn drop(&mut self) {
-        let Some(shared) = self.shared.take() else {
+        let Some(ptr) = self.shared.take() else {
             return;
         };
+        // SAFETY: this Op is still counted in `live_ops` until `op_finished` below, and the
+        // reference is not used after the table's hold (`last`) is dropped.
+        let shared: &Shared = unsafe { ptr.as_ref() };
         let (done, last) = {
             let mut g = lock(&shared.table);
             let t = &mut *g;
@@ -1142,8 +1193,10 @@ impl Drop for Op {
         };
         // The operation is over for its future: its buffer may go (outside the lock).
         drop(done);
-        if last {
+        if let Some(keep) = last {
             shared.close();
+            // The last use of `shared`: the state may go with it.
+            drop(keep);
         }
     }
 }
