@@ -638,8 +638,11 @@ fn an_op_outliving_its_runtime_is_the_last_to_go(kind: TransportKind, test: &str
         let op = rt.block_on(async {
             let w = AsyncWorker::new(&d).unwrap();
             let ep = w.accept(listener.as_mut()).await.unwrap();
-            w.recv(ep, r.slice(0, 64).unwrap())
+            let op = w.recv(ep, r.slice(0, 64).unwrap());
+            // handed out of the runtime unawaited, on purpose
+            Some(op)
         });
+        let op = op.expect("posted");
         drop(rt); // the driver task goes with its runtime; the handle went before
         std::thread::sleep(Duration::from_millis(50));
         assert!(
