@@ -12,7 +12,10 @@
 //! ```
 //!
 //! Variants: `bare`, `worker`, `async` (A awaits its send, then the reply) and
-//! `async_reply_first` (A awaits the reply, then the send, which is complete by then).
+//! `async_reply_first` (A awaits the reply, then the send, which is complete by then);
+//! `empty_bare` and `empty_worker` only poll with nothing to find (a receive posted, no
+//! message): the cost of an empty poll (the worker parks the endpoint after
+//! `worker::PARK_AFTER` of them and then asks its epoll).
 //!
 //! Both sides live in this thread (shm), so nothing waits for another process: B echoes
 //! between A's send and A's receive, and every operation A awaits is complete when it is
@@ -200,9 +203,31 @@ fn run() -> Result<(), Error> {
             let st = w.stats();
             println!("async driver: {} arms, {} sleeps", st.arms, st.sleeps);
         }
+        "empty_bare" => {
+            // empty polls only (instructions per empty poll)
+            let mut a = a;
+            let mut out: Vec<Completion> = (0..2).map(|_| Completion::default()).collect();
+            a.post_recv(rbuf, 3).map_err(|e| e.error)?;
+            for _ in 0..iters {
+                if a.poll(&mut out)? != 0 {
+                    return Err(Error::Protocol("a poll found work".into()));
+                }
+            }
+        }
+        "empty_worker" => {
+            let mut w = Worker::new(&domain)?;
+            let ep = w.add(a)?;
+            let mut out: Vec<Completion> = (0..2).map(|_| Completion::default()).collect();
+            w.post_recv(ep, rbuf, 3).map_err(|e| e.error)?;
+            for _ in 0..iters {
+                if w.poll_completions(&mut out)? != 0 {
+                    return Err(Error::Protocol("a poll found work".into()));
+                }
+            }
+        }
         v => {
             return Err(Error::InvalidArgument(format!(
-                "variant {v:?}: bare, worker, async or async_reply_first"
+                "variant {v:?}: bare, worker, async, async_reply_first, empty_bare or empty_worker"
             )))
         }
     }
