@@ -557,6 +557,23 @@ fn tcp_async_op_spin_completes_within_the_first_poll() {
     );
 }
 
+/// A peer connected to `addr` with a 64-byte region and a receive (wr_id 2) posted into
+/// its 8 bytes at `at`.
+fn peer_with_a_receive(
+    kind: TransportKind,
+    addr: &str,
+    at: usize,
+) -> (Box<dyn Transport>, fabric_core::Region) {
+    let d = Domain::open(kind, &Options::default()).unwrap();
+    let mut c = d.connect(addr).unwrap();
+    let mut t = backend::connect_timeout(c.as_mut(), Duration::from_secs(60)).unwrap();
+    let r = d.register(64, Access::empty()).unwrap();
+    t.post_recv(r.slice(at, 8).unwrap(), 2)
+        .map_err(|e| e.error)
+        .unwrap();
+    (t, r)
+}
+
 /// The driver outlives the last handle while an operation is live (its future still
 /// completes), and stops once that operation is done: the worker and its connections are
 /// dropped then, which the peer sees as its connection gone.
@@ -570,13 +587,7 @@ fn driver_stops_after_the_last_handle_and_operation(kind: TransportKind, test: &
             let addr = listener.address().to_owned();
             let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
             let peer = std::thread::spawn(move || {
-                let d = Domain::open(kind, &Options::default()).unwrap();
-                let mut c = d.connect(&addr).unwrap();
-                let mut t = backend::connect_timeout(c.as_mut(), Duration::from_secs(60)).unwrap();
-                let r = d.register(64, Access::empty()).unwrap();
-                t.post_recv(r.slice(8, 8).unwrap(), 2)
-                    .map_err(|e| e.error)
-                    .unwrap();
+                let (mut t, r) = peer_with_a_receive(kind, &addr, 8);
                 go_rx.recv().unwrap();
                 let b = r.slice(0, 4).unwrap();
                 b.copy_from(&9u32.to_le_bytes()).unwrap();
@@ -624,13 +635,7 @@ fn an_op_outliving_its_runtime_is_the_last_to_go(kind: TransportKind, test: &str
         let mut listener = d.listen().unwrap();
         let addr = listener.address().to_owned();
         let peer = std::thread::spawn(move || {
-            let d = Domain::open(kind, &Options::default()).unwrap();
-            let mut c = d.connect(&addr).unwrap();
-            let mut t = backend::connect_timeout(c.as_mut(), Duration::from_secs(60)).unwrap();
-            let r = d.register(64, Access::empty()).unwrap();
-            t.post_recv(r.slice(0, 8).unwrap(), 2)
-                .map_err(|e| e.error)
-                .unwrap();
+            let (mut t, _r) = peer_with_a_receive(kind, &addr, 0);
             // nothing is ever sent here: the receive ends with the connection
             complete(t.as_mut(), Duration::from_secs(60)).status
         });
