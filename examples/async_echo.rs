@@ -462,8 +462,8 @@ fn latency_peer(args: &Args, addr: &str) -> Res<()> {
     }
     // async echo until the 1-byte goodbye
     rt.block_on(async {
-        // Each echo's send is collected after the next message came (the poll that found
-        // the message found its completion too), not awaited before the next receive.
+        // Each echo's next receive is posted before the echo, and the echo's send is
+        // awaited right after it is posted (while it travels).
         let mut next = first;
         let mut free = vec![r.slice(3 * SLOT, SLOT)?, r.slice(4 * SLOT, SLOT)?];
         loop {

@@ -342,13 +342,24 @@ impl Slots {
     /// Frees the slot of `wr_id` (a stale id frees nothing).
     #[inline]
     fn release(&mut self, wr_id: u64) {
-        let index = wr_id as u32;
-        if let Some((g, s)) = self.slots.get_mut(index as usize) {
-            if *g == (wr_id >> 32) as u32 {
-                *s = Slot::Free;
-                self.free.push(index);
-            }
+        if let Some(s) = self.get(wr_id) {
+            *s = Slot::Free;
+            self.free.push(wr_id as u32);
         }
+    }
+
+    /// The completion of `wr_id` when it is `Done` (its slot freed); `None` otherwise.
+    #[inline]
+    fn take_done(&mut self, wr_id: u64) -> Option<Finished> {
+        let s = self.get(wr_id)?;
+        if !matches!(s, Slot::Done(_)) {
+            return None;
+        }
+        let Slot::Done(c) = std::mem::replace(s, Slot::Free) else {
+            unreachable!()
+        };
+        self.free.push(wr_id as u32);
+        Some(c)
     }
 
     /// A refused post: the slot goes back, the operation never ran.
@@ -363,8 +374,8 @@ struct Table {
     ops: Slots,
     /// [`Op`]s posted and neither completed nor dropped.
     live_ops: usize,
-    /// An [`Op`]'s own polls land here (`INLINE_POLL` completions, kept between polls so
-    /// that a poll does not build and drop a fresh array).
+    /// An [`Op`]'s own polls land here (`INLINE_POLL` completions, made once: a poll
+    /// borrows them in place).
     inline: Vec<Completion>,
     /// The hold of every live [`Op`] on the shared state: taken by the first post, given up
     /// only when no handle and no `Op` is left (so an `Op` points at the state without a
@@ -1054,15 +1065,7 @@ impl Future for Op {
         // How many of `woken` are set (only those are looked at again).
         let mut k = 0;
         let out = match g.ops.get(wr_id) {
-            Some(Slot::Done(_)) => {
-                let Some(Slot::Done(c)) =
-                    g.ops.get(wr_id).map(|s| std::mem::replace(s, Slot::Free))
-                else {
-                    unreachable!()
-                };
-                g.ops.release(wr_id);
-                Some(c)
-            }
+            Some(Slot::Done(_)) => g.ops.take_done(wr_id),
             Some(Slot::Waiting(_)) => {
                 // Not done yet: poll the worker here first (the completion is often there
                 // already, e.g. a send's), which saves a round through the driver task. A
@@ -1075,9 +1078,6 @@ impl Future for Op {
                 let out = loop {
                     let t = &mut *g;
                     let room = INLINE_POLL - k;
-                    if t.inline.len() < INLINE_POLL {
-                        t.inline = inline_events();
-                    }
                     let r = dispatch(
                         &shared.stats,
                         &mut t.worker,
@@ -1113,13 +1113,7 @@ impl Future for Op {
                     std::hint::spin_loop();
                     g = lock(&shared.table);
                     // Another thread's poll may have finished it meanwhile.
-                    if let Some(Slot::Done(_)) = g.ops.get(wr_id) {
-                        let Some(Slot::Done(c)) =
-                            g.ops.get(wr_id).map(|s| std::mem::replace(s, Slot::Free))
-                        else {
-                            unreachable!()
-                        };
-                        g.ops.release(wr_id);
+                    if let Some(c) = g.ops.take_done(wr_id) {
                         break Some(c);
                     }
                 };
@@ -1182,12 +1176,7 @@ impl Drop for Op {
                     *slot = Slot::Abandoned;
                     None
                 }
-                Some(slot @ Slot::Done(_)) => {
-                    let c = std::mem::replace(slot, Slot::Free);
-                    t.ops.release(self.wr_id);
-                    Some(c)
-                }
-                _ => None,
+                _ => t.ops.take_done(self.wr_id),
             };
             (done, shared.op_finished(t))
         };
