@@ -34,8 +34,10 @@
 //!
 //! # How it runs
 //!
-//! [`AsyncWorker::new`] moves a [`Worker`] behind a mutex shared by every clone of the
-//! handle, registers a duplicate of the worker's [`wait_fd`](Worker::wait_fd) (an epoll fd)
+//! [`AsyncWorker::new`] moves a [`Worker`] behind a lock shared by every clone of the
+//! handle (a spin lock whose release is a plain store: it is only ever held for a post, one
+//! poll of the worker or an `Op`'s short spin; a contended `lock` spins briefly, then yields
+//! the thread), registers a duplicate of the worker's [`wait_fd`](Worker::wait_fd) (an epoll fd)
 //! with tokio's reactor through [`AsyncFd`], and spawns one *driver* task on the current
 //! runtime. An operation ([`send`](AsyncWorker::send), [`recv`](AsyncWorker::recv), ...) is
 //! posted when the method is called (so operations called in order are posted in order) and
@@ -132,6 +134,7 @@ use crate::backend::Listener;
 use crate::domain::Domain;
 use crate::error::{Error, Result};
 use crate::region::Buf;
+use crate::spin::SpinLock;
 use crate::transport::{
     AtomicOp, Capabilities, Completion, OpKind, PostResult, RemoteKey, Status, Transport,
 };
@@ -393,7 +396,7 @@ struct Shared {
     /// A duplicate of the worker's epoll fd, registered with tokio. Declared first: it is
     /// deregistered before the worker (and its fd) go.
     fd: AsyncFd<OwnedFd>,
-    table: Mutex<Table>,
+    table: SpinLock<Table>,
     domain: Domain,
     opts: AsyncOptions,
     /// Handles (the [`AsyncWorker`] and its clones). The driver stops when there are none
@@ -445,7 +448,7 @@ impl Shared {
     fn drop_user(&self) {
         if self.users.fetch_sub(1, Ordering::AcqRel) == 1 {
             let last = {
-                let mut t = lock(&self.table);
+                let mut t = self.table.lock();
                 (t.live_ops == 0).then(|| t.keep.take())
             };
             if let Some(keep) = last {
@@ -478,7 +481,7 @@ impl Shared {
 
     /// One poll of the worker; completions go to their slots, wakers into `wake`.
     fn progress(&self, events: &mut [Completion], wake: &mut Vec<Waker>) -> Result<usize> {
-        let mut t = lock(&self.table);
+        let mut t = self.table.lock();
         let t = &mut *t;
         dispatch(&self.stats, &mut t.worker, &mut t.ops, events, None, |w| {
             wake.push(w)
@@ -628,7 +631,7 @@ async fn drive(shared: Arc<Shared>) {
             h();
         }
         bump(&shared.stats.arms);
-        let armed = lock(&shared.table).worker.arm();
+        let armed = shared.table.lock().worker.arm();
         match armed {
             Ok(true) => {}
             Ok(false) => {
@@ -737,7 +740,7 @@ impl AsyncWorker {
         let shared = Arc::new(Shared {
             fd,
             domain: worker.domain().clone(),
-            table: Mutex::new(Table {
+            table: SpinLock::new(Table {
                 worker,
                 ops: Slots::new(),
                 live_ops: 0,
@@ -784,7 +787,7 @@ impl AsyncWorker {
 
     /// Operations posted and not yet completed (including those whose future was dropped).
     pub fn in_flight(&self) -> usize {
-        lock(&self.shared.table).ops.pending
+        self.shared.table.lock().ops.pending
     }
 
     /// Test hook: `hook` runs in the driver after every poll that found nothing and before
@@ -800,7 +803,7 @@ impl AsyncWorker {
     /// # Errors
     /// As [`Worker::add`].
     pub fn add(&self, t: Box<dyn Transport>) -> Result<EndpointId> {
-        let ep = lock(&self.shared.table).worker.add(t)?;
+        let ep = self.shared.table.lock().worker.add(t)?;
         self.shared.kick();
         Ok(ep)
     }
@@ -848,7 +851,7 @@ impl AsyncWorker {
     /// [`Error::Busy`] while operations are in flight on it (their futures wait for the
     /// completions this worker polls); [`Worker::remove`]'s errors.
     pub fn remove(&self, ep: EndpointId) -> Result<Box<dyn Transport>> {
-        let mut t = lock(&self.shared.table);
+        let mut t = self.shared.table.lock();
         if t.worker.endpoint(ep)?.in_flight() > 0 {
             return Err(Error::Busy("the endpoint has operations in flight"));
         }
@@ -860,12 +863,12 @@ impl AsyncWorker {
     /// # Errors
     /// [`Error::InvalidArgument`] for an unknown id.
     pub fn capabilities(&self, ep: EndpointId) -> Result<Capabilities> {
-        Ok(lock(&self.shared.table).worker.endpoint(ep)?.capabilities())
+        Ok(self.shared.table.lock().worker.endpoint(ep)?.capabilities())
     }
 
     /// Endpoints it holds.
     pub fn endpoints(&self) -> Vec<EndpointId> {
-        lock(&self.shared.table).worker.endpoints().collect()
+        self.shared.table.lock().worker.endpoints().collect()
     }
 
     fn submit(
@@ -874,7 +877,7 @@ impl AsyncWorker {
         buf: Buf,
         post: impl FnOnce(&mut dyn Transport, Buf, u64) -> PostResult,
     ) -> Op {
-        let mut g = lock(&self.shared.table);
+        let mut g = self.shared.table.lock();
         let t = &mut *g;
         let wr_id = t.ops.claim();
         let r = match t.worker.endpoint(ep) {
@@ -1059,7 +1062,7 @@ impl Future for Op {
         // reference is not used after the table's hold (`last`) is dropped.
         let shared: &Shared = unsafe { ptr.as_ref() };
         let wr_id = this.wr_id;
-        let mut g = lock(&shared.table);
+        let mut g = shared.table.lock();
         // Others' completions found by this poll: their tasks are woken after the unlock.
         let mut woken: [Option<Waker>; INLINE_POLL] = Default::default();
         // How many of `woken` are set (only those are looked at again).
@@ -1107,11 +1110,11 @@ impl Future for Op {
                         continue;
                     }
                     // Posts from other threads get the worker every `CLOCK_EVERY` polls
-                    // (not after each: a lock and an unlock cost two atomic
-                    // read-modify-writes, more than an empty poll).
+                    // (not after each: taking the lock costs an atomic read-modify-write,
+                    // more than an empty poll).
                     drop(g);
                     std::hint::spin_loop();
-                    g = lock(&shared.table);
+                    g = shared.table.lock();
                     // Another thread's poll may have finished it meanwhile.
                     if let Some(c) = g.ops.take_done(wr_id) {
                         break Some(c);
@@ -1167,7 +1170,7 @@ impl Drop for Op {
         // reference is not used after the table's hold (`last`) is dropped.
         let shared: &Shared = unsafe { ptr.as_ref() };
         let (done, last) = {
-            let mut g = lock(&shared.table);
+            let mut g = shared.table.lock();
             let t = &mut *g;
             let done = match t.ops.get(self.wr_id) {
                 Some(slot @ Slot::Waiting(_)) => {

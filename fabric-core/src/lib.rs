@@ -114,6 +114,8 @@ pub mod memory;
 pub mod region;
 pub mod registry;
 pub mod ring;
+#[cfg(any(fabric_loom, feature = "tokio"))]
+mod spin;
 mod sync;
 #[cfg(all(not(fabric_loom), feature = "verbs"))]
 pub mod topology;
