@@ -468,8 +468,8 @@ impl AsyncPings {
         let (mut tx, mut rx) = (self.tx.take().ok_or("tx")?, self.rx.take().ok_or("rx")?);
         let t0 = Instant::now();
         for _ in 0..n {
-            let recv = w.recv(ep, rx);
-            let send = w.send(ep, tx);
+            // The reply's receive and the request under one lock.
+            let (recv, send) = w.recv_send(ep, rx, tx);
             // The send first: its completion is there while the message is on its way, so
             // collecting it costs nothing on the round trip's critical path (the reply, once
             // it is there, then goes straight back to this task).
@@ -562,8 +562,8 @@ fn blocking_echo(
 }
 
 /// `n` async echoes; `next` is the posted receive of the first, and the receive posted for
-/// the one after the last is returned. Each echo's next receive is posted before the echo,
-/// and the echo's send is awaited right after it is posted (while it travels: off the
+/// the one after the last is returned. Each echo's next receive is posted with the echo
+/// (before it, under the same lock), and the echo's send is awaited right after it is posted (while it travels: off the
 /// round trip's critical path, as the next message cannot come before the echo arrived).
 async fn async_echo(
     w: &AsyncWorker,
@@ -575,9 +575,11 @@ async fn async_echo(
     for _ in 0..n {
         let (res, mut got) = next.await;
         let d = res?;
-        next = w.recv(ep, free.pop().ok_or("no free receive buffer")?);
         got.set_len(d.len)?;
-        let (res, mut sent) = w.send(ep, got).await;
+        // the next message's receive and the echo, under one lock
+        let send;
+        (next, send) = w.recv_send(ep, free.pop().ok_or("no free receive buffer")?, got);
+        let (res, mut sent) = send.await;
         res?;
         sent.set_len(SLOT)?;
         free.push(sent);

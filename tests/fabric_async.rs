@@ -955,6 +955,109 @@ fn verbs_async_tagged_write_read_atomics() {
     );
 }
 
+// ---------------------------------------------------------------------------------------
+// recv_send: a receive and a send under one lock
+
+/// Both sides ping-pong with `recv_send` (the reply's receive with each request, the next
+/// request's receive with each echo), every byte checked; then a refused receive (a buffer
+/// of another domain) does not stop the send posted with it.
+fn recv_send(kind: TransportKind, test: &'static str) {
+    let _g = serial();
+    let Some(a) = open(kind, test) else { return };
+    let b = open(kind, test).unwrap();
+    let foreign = open(kind, test).unwrap();
+    within(120, move || {
+        current_thread().block_on(async move {
+            let wa = AsyncWorker::new(&a).unwrap();
+            let wb = AsyncWorker::new(&b).unwrap();
+            let mut listener = a.listen().unwrap();
+            let addr = listener.address().to_owned();
+            let (ea, eb) = {
+                let (wb2, addr2) = (wb.clone(), addr.clone());
+                let c = tokio::spawn(async move {
+                    wb2.connect(&addr2, Duration::from_secs(60)).await.unwrap()
+                });
+                let ea = wa.accept(listener.as_mut()).await.unwrap();
+                (ea, c.await.unwrap())
+            };
+            let ra = a.register(2 * SLOT, Access::empty()).unwrap();
+            let rb = b.register(3 * SLOT, Access::empty()).unwrap();
+            const ROUNDS: usize = 200;
+            // b: echoes ROUNDS messages, each echo posted with the next message's receive
+            let echo = {
+                let (wb, rb) = (wb.clone(), rb.clone());
+                tokio::spawn(async move {
+                    let mut next = wb.recv(eb, rb.slice(0, SLOT).unwrap());
+                    let mut free = vec![rb.slice(SLOT, SLOT).unwrap()];
+                    for _ in 0..ROUNDS {
+                        let (r, mut got) = next.await;
+                        got.set_len(r.unwrap().len).unwrap();
+                        let (n, send) = wb.recv_send(eb, free.pop().unwrap(), got);
+                        assert!(n.is_posted() && send.is_posted());
+                        next = n;
+                        let (r, mut sent) = send.await;
+                        r.unwrap();
+                        sent.set_len(SLOT).unwrap();
+                        free.push(sent);
+                    }
+                    // the receive posted for the message after the last (in an `Option`:
+                    // what the task returns is not itself a future)
+                    Some(next)
+                })
+            };
+            let (mut tx, mut rx) = (ra.slice(0, SLOT).unwrap(), ra.slice(SLOT, SLOT).unwrap());
+            let posts_before = wa.stats().posts;
+            for round in 0..ROUNDS {
+                let m = message(1, round);
+                tx.set_len(m.len()).unwrap();
+                tx.copy_from(&m).unwrap();
+                let (reply, request) = wa.recv_send(ea, rx, tx);
+                assert!(reply.is_posted() && request.is_posted());
+                let (r, t) = request.await;
+                assert_eq!(r.unwrap().op, OpKind::Send);
+                let (r, got) = reply.await;
+                let d = r.unwrap();
+                assert_eq!((d.op, d.len), (OpKind::Recv, m.len()), "round {round}");
+                assert_eq!(&got.to_vec()[..d.len], &m[..], "round {round}: wrong echo");
+                (tx, rx) = (t, got);
+                rx.set_len(SLOT).unwrap();
+            }
+            assert_eq!(wa.stats().posts - posts_before, 2 * ROUNDS as u64);
+            let next = echo.await.unwrap().expect("b's last receive");
+            // A receive refused (a buffer of another domain): typed, its buffer back; the
+            // send posted with it still goes, and b gets it.
+            let other = foreign.register(SLOT, Access::empty()).unwrap();
+            tx.set_len(5).unwrap();
+            tx.copy_from(b"after").unwrap();
+            let (reply, request) = wa.recv_send(ea, other.slice(0, 64).unwrap(), tx);
+            assert!(!reply.is_posted());
+            assert!(request.is_posted());
+            let (r, buf) = reply.await;
+            assert!(matches!(r, Err(Error::Foreign(_))), "{r:?}");
+            assert_eq!(buf.len(), 64, "the refused receive's buffer came back");
+            request.await.0.unwrap();
+            let (r, got) = next.await;
+            assert_eq!(r.unwrap().len, 5);
+            assert_eq!(&got.to_vec()[..5], b"after");
+        })
+    });
+}
+
+#[test]
+fn shm_async_recv_send_under_one_lock() {
+    recv_send(TransportKind::Shm, "shm_async_recv_send_under_one_lock");
+}
+
+#[test]
+fn tcp_async_recv_send_under_one_lock() {
+    recv_send(TransportKind::Tcp, "tcp_async_recv_send_under_one_lock");
+}
+
+#[test]
+fn verbs_async_recv_send_under_one_lock() {
+    recv_send(TransportKind::Verbs, "verbs_async_recv_send_under_one_lock");
+}
+
 #[test]
 fn async_worker_outside_a_runtime_is_a_typed_error() {
     let d = Domain::open(TransportKind::Shm, &Options::default()).unwrap();

@@ -11,8 +11,9 @@
 //! target/release/examples/async_hotpath async 8 10000   # variant, size, round trips
 //! ```
 //!
-//! Variants: `bare`, `worker`, `async` (A awaits its send, then the reply) and
-//! `async_reply_first` (A awaits the reply, then the send, which is complete by then);
+//! Variants: `bare`, `worker`, `async` (A awaits its send, then the reply),
+//! `async_reply_first` (A awaits the reply, then the send, which is complete by then) and
+//! `async_post` (as `async`, the receive and the send posted by one `AsyncWorker::recv_send`);
 //! `empty_bare` and `empty_worker` only poll with nothing to find (a receive posted, no
 //! message): the cost of an empty poll (the worker parks the endpoint after
 //! `worker::PARK_AFTER` of them and then asks its epoll).
@@ -172,8 +173,9 @@ fn run() -> Result<(), Error> {
                 rbuf = got.ok_or(Error::Foreign("a receive without its buffer"))?;
             }
         }
-        "async" | "async_reply_first" => {
+        "async" | "async_reply_first" | "async_post" => {
             let reply_first = variant == "async_reply_first";
+            let together = variant == "async_post";
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
@@ -182,8 +184,13 @@ fn run() -> Result<(), Error> {
             let w = AsyncWorker::with_options(&domain, AsyncOptions::default())?;
             let ep = w.add(a)?;
             for _ in 0..iters {
-                let recv = w.recv(ep, rbuf);
-                let send = w.send(ep, a_tx.slice(0, size)?);
+                let (recv, send) = if together {
+                    // both under one lock
+                    w.recv_send(ep, rbuf, a_tx.slice(0, size)?)
+                } else {
+                    let recv = w.recv(ep, rbuf);
+                    (recv, w.send(ep, a_tx.slice(0, size)?))
+                };
                 if reply_first {
                     // The reply first: its poll of the worker also finds the send's
                     // completion, which the send's own await then only picks up.
@@ -227,7 +234,8 @@ fn run() -> Result<(), Error> {
         }
         v => {
             return Err(Error::InvalidArgument(format!(
-                "variant {v:?}: bare, worker, async, async_reply_first, empty_bare or empty_worker"
+                "variant {v:?}: bare, worker, async, async_reply_first, async_post, empty_bare or \
+                 empty_worker"
             )))
         }
     }

@@ -42,8 +42,9 @@
 //! runtime. An operation ([`send`](AsyncWorker::send), [`recv`](AsyncWorker::recv), ...) is
 //! posted when the method is called (so operations called in order are posted in order) and
 //! returns an [`Op`], a future that resolves to the completion with the buffer handed back:
-//! `(Result<Done>, Buf)` ([`BufResult`], the owned-buffer style of tokio-uring). The driver
-//! polls the worker, hands each completion to the slot its operation waits on, wakes that
+//! `(Result<Done>, Buf)` ([`BufResult`], the owned-buffer style of tokio-uring).
+//! [`recv_send`](AsyncWorker::recv_send) posts a receive and a send under one acquisition of
+//! the lock (request / reply). The driver polls the worker, hands each completion to the slot its operation waits on, wakes that
 //! task, and when there is nothing to do sleeps on the fd:
 //!
 //! 1. poll the worker; dispatch what it returned;
@@ -871,6 +872,29 @@ impl AsyncWorker {
         self.shared.table.lock().worker.endpoints().collect()
     }
 
+    /// A receive and then a send on `ep` (as [`recv`](Self::recv) then
+    /// [`send`](Self::send)) under one acquisition of the worker's lock: the request /
+    /// reply pattern (the reply's receive posted with the request, or the next request's
+    /// receive with the reply) at about the cost of one post. Each [`Op`] says whether its
+    /// post was refused; a refused receive does not stop the send.
+    ///
+    /// ```no_run
+    /// # use fabric_core::async_worker::AsyncWorker;
+    /// # async fn f(w: AsyncWorker, ep: fabric_core::EndpointId, rx: fabric_core::Buf, tx: fabric_core::Buf) {
+    /// let (reply, request) = w.recv_send(ep, rx, tx);
+    /// let (sent, tx) = request.await;
+    /// let (got, rx) = reply.await;
+    /// # }
+    /// ```
+    pub fn recv_send(&self, ep: EndpointId, rx: Buf, tx: Buf) -> (Op, Op) {
+        let mut g = self.shared.table.lock();
+        let r = self.submit_locked(&mut g, ep, rx, |c, b, id| c.post_recv(b, id));
+        let s = self.submit_locked(&mut g, ep, tx, |c, b, id| c.post_send(b, id));
+        drop(g);
+        (self.op(r), self.op(s))
+    }
+
+    #[inline(always)]
     fn submit(
         &self,
         ep: EndpointId,
@@ -878,7 +902,20 @@ impl AsyncWorker {
         post: impl FnOnce(&mut dyn Transport, Buf, u64) -> PostResult,
     ) -> Op {
         let mut g = self.shared.table.lock();
-        let t = &mut *g;
+        let r = self.submit_locked(&mut g, ep, buf, post);
+        drop(g);
+        self.op(r)
+    }
+
+    /// Posts under the (held) lock; the operation's id, or the refusal with the buffer.
+    #[inline(always)]
+    fn submit_locked(
+        &self,
+        t: &mut Table,
+        ep: EndpointId,
+        buf: Buf,
+        post: impl FnOnce(&mut dyn Transport, Buf, u64) -> PostResult,
+    ) -> std::result::Result<u64, crate::PostError> {
         let wr_id = t.ops.claim();
         let r = match t.worker.endpoint(ep) {
             Ok(conn) => post(conn, buf, wr_id),
@@ -891,7 +928,20 @@ impl AsyncWorker {
                 if t.keep.is_none() {
                     t.keep = Some(self.shared.clone());
                 }
-                drop(g);
+                Ok(wr_id)
+            }
+            Err(e) => {
+                t.ops.unclaim(wr_id);
+                Err(e)
+            }
+        }
+    }
+
+    /// The future of a post made (after the lock is released: a post kicks the driver).
+    #[inline(always)]
+    fn op(&self, r: std::result::Result<u64, crate::PostError>) -> Op {
+        match r {
+            Ok(wr_id) => {
                 self.shared.kick();
                 Op {
                     shared: Some(NonNull::from(&*self.shared)),
@@ -899,14 +949,11 @@ impl AsyncWorker {
                     refused: None,
                 }
             }
-            Err(e) => {
-                t.ops.unclaim(wr_id);
-                Op {
-                    shared: None,
-                    wr_id: 0,
-                    refused: Some(Box::new((e.error, e.buf))),
-                }
-            }
+            Err(e) => Op {
+                shared: None,
+                wr_id: 0,
+                refused: Some(Box::new((e.error, e.buf))),
+            },
         }
     }
 
