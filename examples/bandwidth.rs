@@ -30,6 +30,13 @@ struct Args {
     /// Iterations per size and mode (default: scaled with the size).
     #[arg(long)]
     iters: Option<usize>,
+    /// Untimed messages streamed before each size and mode's trials, in the same mode
+    /// (default: a quarter of the iterations). A cold start (TCP's socket buffers growing
+    /// from their initial sizes, first touches of the rings' and regions' pages) otherwise
+    /// counts in the figure; `ucx_perftest` warms up too (`-w`, 10,000 by default), and
+    /// `fabric-core/bench/compare.sh` gives both the same count.
+    #[arg(long)]
+    warmup: Option<usize>,
     /// Trials per measurement; the best is printed (filters out preemption on busy hosts).
     #[arg(long, default_value_t = 3)]
     trials: usize,
@@ -76,9 +83,13 @@ fn measure(args: &Args, mut peer: Peer) -> Result<(), Box<dyn std::error::Error>
     }
     println!(
         "fabric bandwidth: transport {kind} on the {engine}, {} in flight, MiB/s (bisend: per direction); \
-         memcpy = one thread copying the same sizes in this run; best of {} trials",
+         memcpy = one thread copying the same sizes in this run; best of {} trials, each size and \
+         mode after {} untimed messages",
         perf::WINDOW,
-        args.trials.max(1)
+        args.trials.max(1),
+        args
+            .warmup
+            .map_or_else(|| "iterations / 4".into(), |w| w.to_string())
     );
     let mut head = format!("{:>10}", "#bytes");
     for m in &modes {
@@ -93,19 +104,26 @@ fn measure(args: &Args, mut peer: Peer) -> Result<(), Box<dyn std::error::Error>
     };
     for &size in &sizes {
         let iters = args.iters.unwrap_or_else(|| perf::bw_iters(size));
+        let warmup = args.warmup.unwrap_or(iters / 4);
         let mut line = format!("{size:>10}");
         let mut send_bw = None;
         for m in &modes {
             pb.set_message(format!("{size} B {m}"));
             let mut bw: Option<f64> = None;
-            for _ in 0..args.trials.max(1) {
-                let b = match *m {
-                    "send" => Some(ini.stream(size, iters, false)?),
-                    "bisend" => Some(ini.stream(size, iters, true)?),
+            let mut run = |n: usize| -> fabric_core::Result<Option<f64>> {
+                Ok(match *m {
+                    "send" => Some(ini.stream(size, n, false)?),
+                    "bisend" => Some(ini.stream(size, n, true)?),
                     "write" | "read" if !caps.one_sided => None,
-                    "write" => Some(ini.one_sided(size, iters, false)?),
-                    _ => Some(ini.one_sided(size, iters, true)?),
-                };
+                    "write" => Some(ini.one_sided(size, n, false)?),
+                    _ => Some(ini.one_sided(size, n, true)?),
+                })
+            };
+            if warmup > 0 {
+                run(warmup)?; // not timed
+            }
+            for _ in 0..args.trials.max(1) {
+                let b = run(iters)?;
                 bw = match (bw, b) {
                     (Some(x), Some(y)) => Some(x.max(y)),
                     (x, y) => x.or(y),

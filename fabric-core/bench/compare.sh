@@ -3,7 +3,7 @@
 # Debian's ucx-utils) and against single-thread memcpy, all measured in this one run.
 #
 #   bash fabric-core/bench/compare.sh            # prints a markdown table (and raw lines to stderr)
-#   ITERS=20000 BW_ITERS=400 bash fabric-core/bench/compare.sh
+#   ITERS=20000 BW_ITERS=400 BW_WARMUP=400 bash fabric-core/bench/compare.sh
 #
 # Latency: median one-way (half round trip) of ping-pong, ours (`pingpong` "t_typical")
 # vs UCX tag_lat "50.0%ile". Bandwidth: streaming two-sided sends, ours (`bandwidth`
@@ -20,6 +20,10 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 ITERS=${ITERS:-20000}
 BW_ITERS=${BW_ITERS:-300}
+# Untimed messages before each bandwidth run, the same count for both programs
+# (`ucx_perftest -w`, whose own default is 10,000; `bandwidth --warmup`): without it ours
+# measured TCP's socket buffers growing and the first touches of fresh pages, UCX did not.
+BW_WARMUP=${BW_WARMUP:-$BW_ITERS}
 command -v ucx_perftest >/dev/null || { echo "ucx_perftest not found: apt-get install ucx-utils" >&2; exit 1; }
 cargo build --release --example pingpong --example bandwidth >&2
 PP=target/release/examples/pingpong
@@ -28,14 +32,16 @@ port=$((20000 + RANDOM % 20000))
 # Both sides pinned to two different CPUs, like our examples pin themselves and their peer.
 read -r CPU_A CPU_B < <(taskset -pc $$ | sed 's/.*: //' | awk -F, '{ split($1, r, "-"); a = r[1]; b = (r[2] != "" ? a + 1 : $2); print a, b }')
 
-# ucx TLS TEST SIZE ITERS -> "median_latency_us overall_bw_MiBs"
+# ucx TLS TEST SIZE ITERS [WARMUP] -> "median_latency_us overall_bw_MiBs" (WARMUP: UCX's
+# default when not given)
 ucx() {
-  local tls=$1 test=$2 size=$3 n=$4 out srv
+  local tls=$1 test=$2 size=$3 n=$4 out srv w=()
+  [ -n "${5:-}" ] && w=(-w "$5")
   port=$((port + 1))
-  UCX_TLS=$tls timeout 300 taskset -c "$CPU_A" ucx_perftest -p "$port" -t "$test" -s "$size" -n "$n" >/dev/null 2>&1 &
+  UCX_TLS=$tls timeout 300 taskset -c "$CPU_A" ucx_perftest -p "$port" -t "$test" -s "$size" -n "$n" "${w[@]}" >/dev/null 2>&1 &
   srv=$!
   sleep 0.5
-  out=$(UCX_TLS=$tls timeout 300 taskset -c "$CPU_B" ucx_perftest localhost -p "$port" -t "$test" -s "$size" -n "$n" 2>&1 | grep '^Final:' || true)
+  out=$(UCX_TLS=$tls timeout 300 taskset -c "$CPU_B" ucx_perftest localhost -p "$port" -t "$test" -s "$size" -n "$n" "${w[@]}" 2>&1 | grep '^Final:' || true)
   wait "$srv" 2>/dev/null || true
   echo "ucx $tls $test $size: $out" >&2
   echo "$out" | awk '{print $3, $7}'
@@ -50,7 +56,7 @@ ours_lat() {
 # ours_bw TRANSPORT SIZE ITERS -> "send_MiBs memcpy_MiBs" of one run (one trial, like UCX)
 ours_bw() {
   local out
-  out=$(FABRIC_TRANSPORT=$1 "$BW" --modes send --min-size "$2" --max-size "$2" --iters "$3" --trials 1 </dev/null)
+  out=$(FABRIC_TRANSPORT=$1 "$BW" --modes send --min-size "$2" --max-size "$2" --iters "$3" --warmup "$BW_WARMUP" --trials 1 </dev/null)
   echo "ours $1 bw $2: $(echo "$out" | tail -1)" >&2
   echo "$out" | awk -v s="$2" '$1 == s {print $2, $3}'
 }
@@ -59,7 +65,7 @@ TRIALS=${TRIALS:-3}
 best_min() { local b="" v; for _ in $(seq "$TRIALS"); do v=$("$@"); b=$(awk -v a="$b" -v v="$v" 'BEGIN { if (a == "" || v + 0 < a + 0) print v; else print a }'); done; echo "$b"; }
 best_max() { local b="" v; for _ in $(seq "$TRIALS"); do v=$("$@"); b=$(awk -v a="$b" -v v="$v" 'BEGIN { if (a == "" || v + 0 > a + 0) print v; else print a }'); done; echo "$b"; }
 ucx_lat() { ucx "$1" tag_lat "$2" "$3" | cut -d' ' -f1; }
-ucx_bw() { ucx "$1" tag_bw "$2" "$3" | cut -d' ' -f2; }
+ucx_bw() { ucx "$1" tag_bw "$2" "$3" "$BW_WARMUP" | cut -d' ' -f2; }
 # best_pair FN... -> runs FN (printing "send memcpy") TRIALS times; prints the pair of the run
 # with the highest send (for the comparison of send with UCX)
 best_pair() { local b="" v; for _ in $(seq "$TRIALS"); do v=$("$@"); b=$(printf '%s\n%s\n' "$b" "$v" | awk 'NF == 2 && (best == "" || $1 + 0 > s) { s = $1 + 0; best = $0 } END { print best }'); done; echo "$b"; }
@@ -73,7 +79,7 @@ median_pair() {
 }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "n/a" }'; }
 
-echo "Measured $(date -u +%Y-%m-%dT%H:%MZ) on $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg); command: bash fabric-core/bench/compare.sh (ITERS=$ITERS BW_ITERS=$BW_ITERS TRIALS=$TRIALS)"
+echo "Measured $(date -u +%Y-%m-%dT%H:%MZ) on $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg); command: bash fabric-core/bench/compare.sh (ITERS=$ITERS BW_ITERS=$BW_ITERS BW_WARMUP=$BW_WARMUP TRIALS=$TRIALS)"
 echo
 echo "| transport | figure | size | ours | reference | ratio ours/ref | target |"
 echo "| --- | --- | ---: | ---: | ---: | ---: | --- |"
