@@ -847,24 +847,34 @@ fn verbs_async_dropped_future_keeps_its_buffer_until_completion() {
 // ---------------------------------------------------------------------------------------
 // every operation kind through the futures
 
+/// An async worker on each domain and one connection between them (`a` listens).
+async fn connected(
+    a: &Domain,
+    b: &Domain,
+) -> (
+    AsyncWorker,
+    AsyncWorker,
+    fabric_core::EndpointId,
+    fabric_core::EndpointId,
+) {
+    let wa = AsyncWorker::new(a).unwrap();
+    let wb = AsyncWorker::new(b).unwrap();
+    let mut listener = a.listen().unwrap();
+    let addr = listener.address().to_owned();
+    let wb2 = wb.clone();
+    let c = tokio::spawn(async move { wb2.connect(&addr, Duration::from_secs(60)).await.unwrap() });
+    let ea = wa.accept(listener.as_mut()).await.unwrap();
+    let eb = c.await.unwrap();
+    (wa, wb, ea, eb)
+}
+
 fn operations(kind: TransportKind, test: &'static str) {
     let _g = serial();
     let Some(a) = open(kind, test) else { return };
     let b = open(kind, test).unwrap();
     within(120, move || {
         current_thread().block_on(async move {
-            let wa = AsyncWorker::new(&a).unwrap();
-            let wb = AsyncWorker::new(&b).unwrap();
-            let mut listener = a.listen().unwrap();
-            let addr = listener.address().to_owned();
-            let (ea, eb) = {
-                let (wb2, addr2) = (wb.clone(), addr.clone());
-                let c = tokio::spawn(async move {
-                    wb2.connect(&addr2, Duration::from_secs(60)).await.unwrap()
-                });
-                let ea = wa.accept(listener.as_mut()).await.unwrap();
-                (ea, c.await.unwrap())
-            };
+            let (wa, wb, ea, eb) = connected(&a, &b).await;
             let caps = wa.capabilities(ea).unwrap();
             let ra = a.register(4 * SLOT, Access::empty()).unwrap();
             let rb = b
@@ -968,18 +978,7 @@ fn recv_send(kind: TransportKind, test: &'static str) {
     let foreign = open(kind, test).unwrap();
     within(120, move || {
         current_thread().block_on(async move {
-            let wa = AsyncWorker::new(&a).unwrap();
-            let wb = AsyncWorker::new(&b).unwrap();
-            let mut listener = a.listen().unwrap();
-            let addr = listener.address().to_owned();
-            let (ea, eb) = {
-                let (wb2, addr2) = (wb.clone(), addr.clone());
-                let c = tokio::spawn(async move {
-                    wb2.connect(&addr2, Duration::from_secs(60)).await.unwrap()
-                });
-                let ea = wa.accept(listener.as_mut()).await.unwrap();
-                (ea, c.await.unwrap())
-            };
+            let (wa, wb, ea, eb) = connected(&a, &b).await;
             let ra = a.register(2 * SLOT, Access::empty()).unwrap();
             let rb = b.register(3 * SLOT, Access::empty()).unwrap();
             const ROUNDS: usize = 200;
