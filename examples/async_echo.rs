@@ -201,7 +201,7 @@ fn self_contained(args: &Args) -> Res<()> {
 /// `--iters`), then `--segments` segments that share `--iters`. Each is run blocking, then
 /// async.
 fn segments(args: &Args) -> Vec<usize> {
-    let k = args.segments.max(1) as usize;
+    let k = args.segments as usize; // at least 1 (the argument's range)
     let mut v = vec![(args.iters / 10).max(1)];
     v.extend((0..k).map(|i| (args.iters * (i + 1) / k - args.iters * i / k).max(1)));
     v
@@ -389,6 +389,14 @@ fn poll_one(t: &mut dyn Transport, out: &mut [Completion]) -> Res<Completion> {
     }
 }
 
+/// The latency comparison's send buffer (`size` bytes of a pattern) and receive buffer.
+fn ping_buffers(domain: &Domain, size: usize) -> Res<(Buf, Buf)> {
+    let r = domain.register(2 * SLOT, Access::empty())?;
+    let (tx, rx) = (r.slice(0, size)?, r.slice(SLOT, SLOT)?);
+    tx.copy_from(&vec![7u8; size])?;
+    Ok((tx, rx))
+}
+
 /// The blocking side of the latency comparison: post a receive and a send, busy-poll both.
 struct Blocking {
     t: Box<dyn Transport>,
@@ -399,9 +407,7 @@ struct Blocking {
 
 impl Blocking {
     fn new(t: Box<dyn Transport>, size: usize) -> Res<Blocking> {
-        let r = t.domain().register(2 * SLOT, Access::empty())?;
-        let (tx, rx) = (r.slice(0, size)?, r.slice(SLOT, SLOT)?);
-        tx.copy_from(&vec![7u8; size])?;
+        let (tx, rx) = ping_buffers(t.domain(), size)?;
         let out = (0..1).map(|_| Completion::default()).collect();
         Ok(Blocking {
             t,
@@ -451,9 +457,7 @@ impl AsyncPings {
         let domain = t.domain().clone();
         let w = AsyncWorker::with_options(&domain, latency_options(args))?;
         let ep = w.add(t)?;
-        let r = domain.register(2 * SLOT, Access::empty())?;
-        let (tx, rx) = (r.slice(0, args.size)?, r.slice(SLOT, SLOT)?);
-        tx.copy_from(&vec![7u8; args.size])?;
+        let (tx, rx) = ping_buffers(&domain, args.size)?;
         Ok(AsyncPings {
             w,
             ep,

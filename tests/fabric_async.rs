@@ -980,7 +980,7 @@ fn recv_send(kind: TransportKind, test: &'static str) {
         current_thread().block_on(async move {
             let (wa, wb, ea, eb) = connected(&a, &b).await;
             let ra = a.register(2 * SLOT, Access::empty()).unwrap();
-            let rb = b.register(3 * SLOT, Access::empty()).unwrap();
+            let rb = b.register(2 * SLOT, Access::empty()).unwrap();
             const ROUNDS: usize = 200;
             // b: echoes ROUNDS messages, each echo posted with the next message's receive
             let echo = {

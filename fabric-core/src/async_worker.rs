@@ -37,15 +37,15 @@
 //! [`AsyncWorker::new`] moves a [`Worker`] behind a lock shared by every clone of the
 //! handle (a spin lock whose release is a plain store: it is only ever held for a post, one
 //! poll of the worker or an `Op`'s short spin; a contended `lock` spins briefly, then yields
-//! the thread), registers a duplicate of the worker's [`wait_fd`](Worker::wait_fd) (an epoll fd)
-//! with tokio's reactor through [`AsyncFd`], and spawns one *driver* task on the current
+//! the thread), registers a duplicate of the worker's [`wait_fd`](Worker::wait_fd) (an epoll
+//! fd) with tokio's reactor through [`AsyncFd`], and spawns one *driver* task on the current
 //! runtime. An operation ([`send`](AsyncWorker::send), [`recv`](AsyncWorker::recv), ...) is
 //! posted when the method is called (so operations called in order are posted in order) and
 //! returns an [`Op`], a future that resolves to the completion with the buffer handed back:
 //! `(Result<Done>, Buf)` ([`BufResult`], the owned-buffer style of tokio-uring).
 //! [`recv_send`](AsyncWorker::recv_send) posts a receive and a send under one acquisition of
-//! the lock (request / reply). The driver polls the worker, hands each completion to the slot its operation waits on, wakes that
-//! task, and when there is nothing to do sleeps on the fd:
+//! the lock (request / reply). The driver polls the worker, hands each completion to the slot
+//! its operation waits on, wakes that task, and when there is nothing to do sleeps on the fd:
 //!
 //! 1. poll the worker; dispatch what it returned;
 //! 2. nothing, but the last completion (or wake-up) is younger than
@@ -137,7 +137,7 @@ use crate::error::{Error, Result};
 use crate::region::Buf;
 use crate::spin::SpinLock;
 use crate::transport::{
-    AtomicOp, Capabilities, Completion, OpKind, PostResult, RemoteKey, Status, Transport,
+    AtomicOp, Capabilities, Completion, OpKind, PostError, PostResult, RemoteKey, Status, Transport,
 };
 use crate::worker::{EndpointId, Worker};
 
@@ -894,7 +894,6 @@ impl AsyncWorker {
         (self.op(r), self.op(s))
     }
 
-    #[inline(always)]
     fn submit(
         &self,
         ep: EndpointId,
@@ -915,11 +914,11 @@ impl AsyncWorker {
         ep: EndpointId,
         buf: Buf,
         post: impl FnOnce(&mut dyn Transport, Buf, u64) -> PostResult,
-    ) -> std::result::Result<u64, crate::PostError> {
+    ) -> std::result::Result<u64, PostError> {
         let wr_id = t.ops.claim();
         let r = match t.worker.endpoint(ep) {
             Ok(conn) => post(conn, buf, wr_id),
-            Err(error) => Err(crate::PostError { error, buf }),
+            Err(error) => Err(PostError { error, buf }),
         };
         match r {
             Ok(()) => {
@@ -939,7 +938,7 @@ impl AsyncWorker {
 
     /// The future of a post made (after the lock is released: a post kicks the driver).
     #[inline(always)]
-    fn op(&self, r: std::result::Result<u64, crate::PostError>) -> Op {
+    fn op(&self, r: std::result::Result<u64, PostError>) -> Op {
         match r {
             Ok(wr_id) => {
                 self.shared.kick();
