@@ -1,19 +1,38 @@
 //! A lock-free single-producer / single-consumer ring of variable-length records.
 //!
 //! The ring lives in memory both ends can see (a shared `memfd` mapping for the shm
-//! transport, the heap for tests and loom models). Positions (`head`, `tail`) count bytes
-//! monotonically and sit on their own cache lines. A record is a 16-byte header
-//! (`len: u32`, `kind: u8`, 3 reserved bytes, `aux: u64`) followed by `len` payload bytes,
-//! rounded up to [`GRANULE`] (64) bytes; records never wrap: when the contiguous space to the
-//! end of the data area is too small the producer writes a padding record first.
+//! transport, the heap for tests and loom models). Positions count bytes monotonically. A
+//! record is a 16-byte header followed by `len` payload bytes, rounded up to [`GRANULE`] (64)
+//! bytes; records never wrap: when the contiguous space to the end of the data area is too
+//! small the producer writes a padding record first.
+//!
+//! The header's first word says everything the consumer needs to find a record: `len: u32`,
+//! `kind: u8` and a 24-bit *seal* (a set top bit and the low 23 bits of the record's granule
+//! position); the second word is the producer's `aux`. The consumer does not read a shared
+//! tail position: it polls the first header word at its own position, which the producer
+//! stores last (with `Release`) when it commits, and takes the record when the seal is the
+//! one its position expects. So a message costs the consumer one cache line from the
+//! producer (the record), not two (a tail position, then the record): the latency of a
+//! small message is one cache-line transfer between the cores.
+//!
+//! Bytes left from an earlier lap (a payload that happens to look like a header with the
+//! right seal) are never taken for a record: the position the consumer moves to after a
+//! record always holds zero until the next record is committed there. The producer keeps
+//! the first word of every granule between its position and a *cleared* mark zero; it
+//! advances the mark a few granules at a time *after* publishing a record, so that the
+//! stores (each a cache line the consumer may still hold) never sit in front of a record's
+//! publication. Only a record that ends at or beyond the mark clears its end's word before
+//! it is published. That granule must be the producer's to clear, so a record needs one
+//! granule of room beyond its own bytes.
 //!
 //! The consumer treats everything in the ring as untrusted (the producer may be another,
-//! buggy or hostile, process): positions and headers are read once, validated, and a bad
-//! value is a [`RingError::Corrupt`], never an out-of-bounds access.
+//! buggy or hostile, process): headers are read once, validated, and a bad length is a
+//! [`RingError::Corrupt`], never an out-of-bounds access.
 //!
-//! Ordering: the producer writes the record, then publishes `tail` with `Release`; the
-//! consumer loads `tail` with `Acquire` before reading the record, and publishes `head` with
-//! `Release` after copying out; the producer loads `head` with `Acquire` before reusing space.
+//! Ordering: the producer writes the payload and `aux`, clears the next header word, then
+//! stores the record's first header word with `Release`; the consumer loads that word with
+//! `Acquire` before reading the record, and publishes its `head` position with `Release`
+//! after copying out; the producer loads `head` with `Acquire` before reusing space.
 //! The hot path takes no lock, makes no system call and does not allocate.
 #![allow(unsafe_code)]
 
@@ -28,6 +47,10 @@ pub const GRANULE: usize = 64;
 pub const HEADER: usize = 16;
 /// Record kind reserved for the producer's wrap-around padding; never returned by `peek`.
 pub const KIND_PAD: u8 = 0;
+/// How far past its position the producer keeps header words cleared (bytes), and the
+/// distance below which it clears more.
+const CLEAR_AHEAD: u64 = 32 * GRANULE as u64;
+const CLEAR_LOW: u64 = 8 * GRANULE as u64;
 
 /// A value padded to two cache lines (adjacent-line prefetch) so the producer's and the
 /// consumer's positions never share one.
@@ -35,14 +58,17 @@ pub const KIND_PAD: u8 = 0;
 #[derive(Debug)]
 pub struct Padded<T>(pub T);
 
-/// The shared control block of one ring: the producer's and the consumer's positions.
+/// The shared control block of one ring: the consumer's position (and a word kept for the
+/// layout: consumers find records by their header seals, so no tail position is published).
 ///
 /// All-zero bytes are a valid, empty ring header (this is how a fresh `memfd` mapping
 /// initialises it).
 #[repr(C)]
 #[derive(Debug)]
 pub struct RingHeader {
-    tail: Padded<AtomicU64>,
+    /// Unused (zero): once the producer's published position, kept so that the layout of
+    /// the header (and the consumer's line) stays where it was.
+    _spare: Padded<AtomicU64>,
     head: Padded<AtomicU64>,
 }
 
@@ -50,7 +76,7 @@ impl RingHeader {
     /// An empty ring header.
     pub fn new() -> Self {
         RingHeader {
-            tail: Padded(AtomicU64::new(0)),
+            _spare: Padded(AtomicU64::new(0)),
             head: Padded(AtomicU64::new(0)),
         }
     }
@@ -70,6 +96,19 @@ pub enum RingError {
     Corrupt(&'static str),
 }
 
+/// The seal of a record at byte position `pos` (a multiple of [`GRANULE`]): the top bit
+/// set (so a cleared word never matches) and the granule index's low 23 bits.
+#[inline]
+const fn seal(pos: u64) -> u64 {
+    ((pos / GRANULE as u64) & 0x7f_ffff) | 0x80_0000
+}
+
+/// The first header word of a record of `kind` with `len` payload bytes at position `pos`.
+#[inline]
+const fn header_word(kind: u8, len: usize, pos: u64) -> u64 {
+    (len as u64) | ((kind as u64) << 32) | (seal(pos) << 40)
+}
+
 /// Bytes a record with `len` payload bytes occupies.
 #[inline]
 pub const fn record_size(len: usize) -> usize {
@@ -82,6 +121,10 @@ struct Shared {
     data: *mut u8,
     cap: usize,
     cells: DataCells,
+    /// Loom cannot watch an atomic placed in raw memory: under loom the first header word
+    /// of each granule is this loom atomic instead.
+    #[cfg(fabric_loom)]
+    words: Vec<AtomicU64>,
     _keep: Arc<dyn Send + Sync>,
 }
 
@@ -105,6 +148,24 @@ impl Shared {
         // SAFETY: `hdr` is valid and aligned for the life of `_keep` (constructor contract).
         unsafe { &*self.hdr }
     }
+
+    /// The first header word of the granule at `pos` (granule aligned, `< cap`), the word
+    /// the producer publishes a record with and the consumer polls.
+    #[cfg(not(fabric_loom))]
+    #[inline(always)]
+    fn word(&self, pos: usize) -> &AtomicU64 {
+        debug_assert!(pos < self.cap && pos.is_multiple_of(GRANULE));
+        // SAFETY: `data` is valid for `cap` bytes and 8-aligned for the life of `_keep`
+        // (constructor contract) and `pos` is a granule boundary inside it. The word is
+        // accessed atomically by both ends; plain accesses to it (an earlier record's payload
+        // copied over it) are ordered before these by the protocol.
+        unsafe { AtomicU64::from_ptr(self.data.add(pos) as *mut u64) }
+    }
+
+    #[cfg(fabric_loom)]
+    fn word(&self, pos: usize) -> &AtomicU64 {
+        &self.words[pos / GRANULE]
+    }
 }
 
 /// The writing end of a ring.
@@ -114,6 +175,12 @@ pub struct Producer {
     tail: u64,
     head_cache: u64,
     reserved: usize,
+    /// The reserved record's offset and first header word, stored by `commit`.
+    record: (usize, u64),
+    /// The padding in front of it, when it wraps.
+    pad: Option<(usize, u64)>,
+    /// Every granule strictly between `tail` and this position has a zero first word.
+    cleared: u64,
 }
 
 /// The reading end of a ring.
@@ -121,7 +188,6 @@ pub struct Producer {
 pub struct Consumer {
     s: Arc<Shared>,
     head: u64,
-    tail_cache: u64,
 }
 
 /// A record seen by [`Consumer::peek`]: valid until [`Consumer::consume`].
@@ -162,24 +228,24 @@ pub unsafe fn from_raw(
         data,
         cap,
         cells: DataCells::new(cap / GRANULE),
+        #[cfg(fabric_loom)]
+        words: (0..cap / GRANULE).map(|_| AtomicU64::new(0)).collect(),
         _keep: keep,
     });
     // SAFETY: caller guarantees `hdr` valid.
     let h = unsafe { &*hdr };
-    let tail = h.tail.0.load(Ordering::Acquire);
     let head = h.head.0.load(Ordering::Acquire);
     (
         Producer {
             s: s.clone(),
-            tail,
+            tail: head,
             head_cache: head,
             reserved: 0,
+            record: (0, 0),
+            pad: None,
+            cleared: head + GRANULE as u64,
         },
-        Consumer {
-            s,
-            head,
-            tail_cache: head,
-        },
+        Consumer { s, head },
     )
 }
 
@@ -233,42 +299,78 @@ impl Producer {
         let pos = (self.tail as usize) & (cap - 1);
         let contig = cap - pos;
         let pad = if need > contig { contig } else { 0 };
-        let total = (pad + need) as u64;
-        if self.tail + total - self.head_cache > cap as u64 {
-            self.head_cache = self.s.hdr().head.0.load(Ordering::Acquire);
-            if self.tail + total - self.head_cache > cap as u64 {
-                return None;
-            }
+        if !self.fits(pad + need) {
+            return None;
         }
-        let mut pos = pos;
+        let mut at = pos;
+        let mut start = self.tail;
         if pad > 0 {
-            self.write_header(pos, KIND_PAD, 0, pad - HEADER);
             self.s.cells.write(pos / GRANULE, pad / GRANULE);
-            pos = 0;
+            self.pad = Some((pos, header_word(KIND_PAD, pad - HEADER, start)));
+            start += pad as u64;
+            at = 0;
         }
-        self.write_header(pos, kind, aux, len);
-        self.s.cells.write(pos / GRANULE, need / GRANULE);
+        self.s.cells.write(at / GRANULE, need / GRANULE);
+        // SAFETY: `at` is granule aligned and `at + HEADER <= cap`; the bytes belong to the
+        // producer (between tail and head + cap), so no one reads them concurrently.
+        unsafe { (self.s.data.add(at + 8) as *mut u64).write_volatile(aux) };
+        self.record = (at, header_word(kind, len, start));
         self.reserved = pad + need;
-        // SAFETY: pos + need <= cap, so the payload range lies inside the data area.
-        Some(unsafe { self.s.data.add(pos + HEADER) })
+        // SAFETY: at + need <= cap, so the payload range lies inside the data area.
+        Some(unsafe { self.s.data.add(at + HEADER) })
     }
 
-    fn write_header(&self, pos: usize, kind: u8, aux: u64, len: usize) {
-        let w0 = (len as u64) | ((kind as u64) << 32);
-        // SAFETY: pos is granule aligned and pos + HEADER <= cap; the bytes belong to the
-        // producer (between tail and head + cap), so no one reads them concurrently.
-        unsafe {
-            let p = self.s.data.add(pos) as *mut u64;
-            p.write_volatile(w0);
-            p.add(1).write_volatile(aux);
+    /// Whether `bytes` (a record and its padding) and the granule after them are free,
+    /// refreshing the cached head when they do not seem to be.
+    #[inline]
+    fn fits(&mut self, bytes: usize) -> bool {
+        let cap = self.s.cap as u64;
+        let end = self.tail + (bytes + GRANULE) as u64;
+        if end - self.head_cache > cap {
+            self.head_cache = self.s.hdr().head.0.load(Ordering::Acquire);
+            if end - self.head_cache > cap {
+                return false;
+            }
         }
+        true
     }
 
     /// Publishes the reserved record to the consumer.
     pub fn commit(&mut self) {
-        self.tail += self.reserved as u64;
+        let end = self.tail + self.reserved as u64;
         self.reserved = 0;
-        self.s.hdr().tail.0.store(self.tail, Ordering::Release);
+        if end >= self.cleared {
+            // The word the consumer looks at next may hold an earlier lap's bytes: cleared
+            // before this record is published (`reserve` made sure the granule is ours).
+            self.s
+                .word((end as usize) & (self.s.cap - 1))
+                .store(0, Ordering::Relaxed);
+            self.cleared = end + GRANULE as u64;
+        }
+        let (at, w0) = self.record;
+        self.s.word(at).store(w0, Ordering::Release);
+        // Padding last: a consumer that skips it finds the record already there.
+        if let Some((at, w0)) = self.pad.take() {
+            self.s.word(at).store(w0, Ordering::Release);
+        }
+        self.tail = end;
+        if self.cleared - end < CLEAR_LOW {
+            self.clear_ahead();
+        }
+    }
+
+    /// Moves the cleared mark up to [`CLEAR_AHEAD`] bytes past the tail, as far as the
+    /// space the consumer released (by the cached head) allows.
+    #[inline(never)]
+    fn clear_ahead(&mut self) {
+        let limit = (self.tail + CLEAR_AHEAD).min(self.head_cache + self.s.cap as u64);
+        let mask = self.s.cap - 1;
+        while self.cleared + GRANULE as u64 <= limit {
+            self.s
+                .word((self.cleared as usize) & mask)
+                .store(0, Ordering::Relaxed);
+            self.cleared += GRANULE as u64;
+        }
     }
 
     /// Reserve, copy `payload`, commit. Returns `false` (and writes nothing) when full.
@@ -290,11 +392,7 @@ impl Producer {
         let need = record_size(len);
         let pos = (self.tail as usize) & (cap - 1);
         let pad = if need > cap - pos { cap - pos } else { 0 };
-        let total = (pad + need) as u64;
-        if self.tail + total - self.head_cache > cap as u64 {
-            self.head_cache = self.s.hdr().head.0.load(Ordering::Acquire);
-        }
-        self.tail + total - self.head_cache <= cap as u64
+        self.fits(pad + need)
     }
 }
 
@@ -306,41 +404,33 @@ impl Consumer {
     pub fn peek(&mut self) -> Result<Option<Record>, RingError> {
         let cap = self.s.cap;
         loop {
-            if self.head == self.tail_cache {
-                let t = self.s.hdr().tail.0.load(Ordering::Acquire);
-                if t == self.head {
-                    return Ok(None);
-                }
-                if t < self.head
-                    || t - self.head > cap as u64
-                    || !(t - self.head).is_multiple_of(GRANULE as u64)
-                {
-                    return Err(RingError::Corrupt("tail position"));
-                }
-                self.tail_cache = t;
-            }
             let pos = (self.head as usize) & (cap - 1);
-            // SAFETY: pos is granule aligned, pos + HEADER <= cap; the bytes were published
-            // by the producer's Release store of tail, which we loaded with Acquire.
-            let (w0, aux) = unsafe {
-                let p = self.s.data.add(pos) as *const u64;
-                (p.read_volatile(), p.add(1).read_volatile())
-            };
+            let w0 = self.s.word(pos).load(Ordering::Acquire);
+            if w0 >> 40 != seal(self.head) {
+                // Cleared, or an earlier lap's: nothing committed here yet.
+                return Ok(None);
+            }
             let len = (w0 & 0xffff_ffff) as usize;
             let kind = (w0 >> 32) as u8;
             if len > cap {
                 return Err(RingError::Corrupt("record length"));
             }
             let size = record_size(len);
-            if size > cap - pos || self.head + size as u64 > self.tail_cache {
+            if size > cap - pos {
                 return Err(RingError::Corrupt("record length"));
             }
             self.s.cells.read(pos / GRANULE, size / GRANULE);
             if kind == KIND_PAD {
+                if size != cap - pos {
+                    return Err(RingError::Corrupt("padding length"));
+                }
                 self.head += size as u64;
                 self.s.hdr().head.0.store(self.head, Ordering::Release);
                 continue;
             }
+            // SAFETY: pos is granule aligned, pos + HEADER <= cap; the producer wrote the
+            // word before its Release store of the header word, which we loaded with Acquire.
+            let aux = unsafe { (self.s.data.add(pos + 8) as *const u64).read_volatile() };
             return Ok(Some(Record {
                 kind,
                 aux,
@@ -376,11 +466,8 @@ impl Consumer {
 
     /// Whether a published record (or padding) is waiting.
     pub fn is_empty(&mut self) -> bool {
-        if self.head != self.tail_cache {
-            return false;
-        }
-        self.tail_cache = self.s.hdr().tail.0.load(Ordering::Acquire).max(self.head);
-        self.head == self.tail_cache
+        let pos = (self.head as usize) & (self.s.cap - 1);
+        self.s.word(pos).load(Ordering::Acquire) >> 40 != seal(self.head)
     }
 }
 
@@ -423,28 +510,86 @@ mod tests {
 
     #[test]
     fn full_ring_refuses_then_accepts() {
+        // Four granules: three one-granule records and the granule the next header word is
+        // cleared in.
         let (mut p, mut c) = heap(256);
         assert!(p.push(1, 0, &[0; 48]));
         assert!(p.push(1, 1, &[0; 48]));
         assert!(p.push(1, 2, &[0; 48]));
-        assert!(p.push(1, 3, &[0; 48]));
-        assert!(!p.push(1, 4, &[0; 1]));
+        assert!(!p.has_room(1));
+        assert!(!p.push(1, 3, &[0; 1]));
         let r = c.peek().unwrap().unwrap();
         c.consume(&r);
-        assert!(p.push(1, 4, &[0; 1]));
+        assert!(p.has_room(1));
+        assert!(p.push(1, 3, &[0; 1]));
+        for want in 1..4 {
+            let r = c.peek().unwrap().unwrap();
+            assert_eq!(r.aux, want);
+            c.consume(&r);
+        }
+        assert!(c.is_empty());
+    }
+
+    /// Writes a first header word straight into the data area (a hostile producer).
+    fn scribble(c: &Consumer, word: usize, value: u64) {
+        // SAFETY: test-only write of a word inside the heap ring's data area.
+        unsafe { (c.s.data as *mut u64).add(word).write_volatile(value) };
     }
 
     #[test]
-    fn corrupt_positions_are_errors() {
-        let (_p, mut c) = heap(256);
-        c.s.hdr().tail.0.store(10_000, Ordering::Release);
-        assert!(c.peek().is_err());
+    fn corrupt_headers_are_errors() {
         let (mut p, mut c) = heap(256);
         assert!(p.push(1, 0, &[1; 8]));
-        // Overwrite the header with an absurd length.
-        // SAFETY: test-only write into the heap ring's first header word.
-        unsafe { (c.s.data as *mut u64).write(u32::MAX as u64 | (1 << 32)) };
+        // An absurd length under a seal that is right for the position.
+        scribble(&c, 0, u32::MAX as u64 | (1 << 32) | (seal(0) << 40));
         assert_eq!(c.peek(), Err(RingError::Corrupt("record length")));
+        // A record that would run past the end of the data area.
+        let (_p, mut c) = heap(256);
+        scribble(&c, 0, 300 | (1 << 32) | (seal(0) << 40));
+        assert_eq!(c.peek(), Err(RingError::Corrupt("record length")));
+        // Padding that does not reach the end of the data area.
+        let (_p, mut c) = heap(256);
+        scribble(&c, 0, header_word(KIND_PAD, 0, 0));
+        assert_eq!(c.peek(), Err(RingError::Corrupt("padding length")));
+        // A seal for another position is not a record (yet).
+        let (_p, mut c) = heap(256);
+        scribble(&c, 0, header_word(1, 8, 256));
+        assert_eq!(c.peek(), Ok(None));
+        assert!(c.is_empty());
+    }
+
+    /// A payload from an earlier lap that holds exactly the header the consumer will look
+    /// for next is never taken for a record: the producer clears that word before it
+    /// publishes the record in front of it.
+    #[test]
+    fn stale_payload_that_looks_like_the_next_header_is_not_a_record() {
+        let (mut p, mut c) = heap(512);
+        // Lap 1: a two-granule record at 0 whose payload holds, at byte 64 (granule 1), the
+        // header a record at position 512 + 64 = 576 would have, and an aux word.
+        let mut payload = vec![0u8; 100];
+        payload[48..56].copy_from_slice(&header_word(9, 8, 576).to_le_bytes());
+        payload[56..64].copy_from_slice(&77u64.to_le_bytes());
+        assert!(p.push(1, 0, &payload));
+        let r = c.peek().unwrap().unwrap();
+        c.consume(&r);
+        // Records at 128 (four granules), 384 and 448, then one at 512 (offset 0) ending at
+        // 576: committing it clears the word at offset 64.
+        assert!(p.push(1, 1, &[0; 200]));
+        assert!(p.push(1, 2, &[0; 8]));
+        assert!(p.push(1, 3, &[0; 8]));
+        for want in 1..4 {
+            let r = c.peek().unwrap().unwrap();
+            assert_eq!(r.aux, want);
+            c.consume(&r);
+        }
+        assert!(p.push(1, 4, &[0; 8]));
+        let r = c.peek().unwrap().unwrap();
+        assert_eq!(r.aux, 4);
+        c.consume(&r);
+        assert_eq!(c.peek(), Ok(None), "an earlier lap's bytes were taken for a record");
+        assert!(c.is_empty());
+        assert!(p.push(1, 5, &[0; 8]));
+        assert_eq!(c.peek().unwrap().map(|r| r.aux), Some(5));
     }
 }
 
