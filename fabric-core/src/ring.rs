@@ -103,9 +103,11 @@ const fn seal(pos: u64) -> u64 {
     ((pos / GRANULE as u64) & 0x7f_ffff) | 0x80_0000
 }
 
-/// The first header word of a record of `kind` with `len` payload bytes at position `pos`.
+/// The first header word of a record of `kind` with `len` payload bytes at byte position
+/// `pos` (a multiple of [`GRANULE`]): what the consumer at `pos` takes for a record. Public
+/// so that fuzzing can plant such words where no record was committed.
 #[inline]
-const fn header_word(kind: u8, len: usize, pos: u64) -> u64 {
+pub const fn header_word(kind: u8, len: usize, pos: u64) -> u64 {
     (len as u64) | ((kind as u64) << 32) | (seal(pos) << 40)
 }
 
@@ -281,12 +283,13 @@ impl Producer {
         self.s.cap
     }
 
-    /// The largest payload one record may carry (so that two records always fit).
+    /// The largest payload one record may carry (so that it always fits in an empty ring,
+    /// with wrap-around padding in front of it and the granule after it).
     pub fn max_payload(&self) -> usize {
         self.s.cap / 2 - HEADER
     }
 
-    /// Reserves a record of `len` payload bytes and writes its header. Returns a pointer to
+    /// Reserves a record of `len` payload bytes and writes its `aux`. Returns a pointer to
     /// `len` writable payload bytes, or `None` when the ring has no room now (backpressure).
     /// Nothing is visible to the consumer until [`commit`](Self::commit).
     ///
@@ -337,6 +340,9 @@ impl Producer {
 
     /// Publishes the reserved record to the consumer.
     pub fn commit(&mut self) {
+        if self.reserved == 0 {
+            return;
+        }
         let end = self.tail + self.reserved as u64;
         self.reserved = 0;
         if end >= self.cleared {
@@ -586,10 +592,48 @@ mod tests {
         let r = c.peek().unwrap().unwrap();
         assert_eq!(r.aux, 4);
         c.consume(&r);
-        assert_eq!(c.peek(), Ok(None), "an earlier lap's bytes were taken for a record");
+        assert_eq!(
+            c.peek(),
+            Ok(None),
+            "an earlier lap's bytes were taken for a record"
+        );
         assert!(c.is_empty());
         assert!(p.push(1, 5, &[0; 8]));
         assert_eq!(c.peek().unwrap().map(|r| r.aux), Some(5));
+    }
+
+    /// The same for a record that ends beyond the cleared mark (more than the distance the
+    /// producer clears ahead): its end's word is cleared before it is published.
+    #[test]
+    fn a_record_past_the_cleared_mark_clears_its_end_first() {
+        let cap = 8192u64;
+        let (mut p, mut c) = heap(cap as usize);
+        let mut pop = |c: &mut Consumer, want: u64| {
+            let r = c.peek().unwrap().expect("a record");
+            assert_eq!(r.aux, want);
+            c.consume(&r);
+        };
+        // Lap 1: a record at 0 whose payload holds, at offset 3072, the header a record at
+        // position cap + 3072 would have.
+        let mut payload = vec![0u8; 4000];
+        payload[3056..3064].copy_from_slice(&header_word(9, 8, cap + 3072).to_le_bytes());
+        assert!(p.push(1, 0, &payload));
+        pop(&mut c, 0);
+        // The rest of lap 1: 4032..8064, 8064..8128, 8128..8192.
+        for (aux, len) in [(1, 4000), (2, 8), (3, 8)] {
+            assert!(p.push(1, aux, &vec![0u8; len]));
+            pop(&mut c, aux);
+        }
+        // Lap 2: one record from cap to cap + 3072, past the cleared mark (<= cap + 2048).
+        assert!(p.push(1, 4, &[0; 3056]));
+        pop(&mut c, 4);
+        assert_eq!(
+            c.peek(),
+            Ok(None),
+            "an earlier lap's bytes were taken for a record"
+        );
+        assert!(p.push(1, 5, &[0; 8]));
+        pop(&mut c, 5);
     }
 }
 

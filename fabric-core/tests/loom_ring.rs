@@ -86,8 +86,10 @@ fn loom_ring_max_payload_full_then_reuse() {
     });
 }
 
-/// Five one-granule records in a four-granule ring: the fifth must wait until the first is
-/// released (an off-by-one in the full check would overwrite an unread record).
+/// Five one-granule records in a four-granule ring: three fit (the fourth granule is where
+/// the next header word is kept cleared), the fourth and fifth must wait until records are
+/// released (an off-by-one in the full check would overwrite an unread record or clear the
+/// header word the consumer is about to read).
 #[test]
 fn loom_ring_one_granule_records_fill_exactly() {
     static LENS: [usize; 5] = [40, 41, 42, 43, 44];

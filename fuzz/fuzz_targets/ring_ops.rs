@@ -3,34 +3,50 @@
 //!
 //! 1. An honest producer and consumer run any sequence of pushes, peeks, reads and
 //!    consumes against a reference model: records come out in order, untorn, exactly once;
-//!    `push` refuses exactly when the bytes (records + wrap padding) do not fit, and
-//!    `is_empty` / `has_room` agree with the model.
-//! 2. A hostile producer then scribbles arbitrary positions and record headers into the
-//!    shared memory: the consumer must answer `Corrupt` or a record inside the ring —
-//!    never a panic, and never an out-of-bounds access (AddressSanitizer watches).
+//!    `push` refuses exactly when the bytes (records + wrap padding + the one granule
+//!    after them whose header word the producer clears) do not fit, and `is_empty` /
+//!    `has_room` agree with the model. Payloads are filled with words that look like the
+//!    record headers of later positions, so a stale payload taken for a record shows.
+//! 2. A hostile producer then scribbles arbitrary words (headers among them) into the
+//!    shared memory: the consumer must answer `Corrupt`, nothing, or a record inside the
+//!    ring — never a panic, and never an out-of-bounds access (AddressSanitizer watches).
 #![no_main]
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use arbitrary::Arbitrary;
-use fabric_core::ring::{self, record_size, RingHeader, KIND_PAD};
+use fabric_core::ring::{self, header_word, record_size, RingHeader, GRANULE, HEADER, KIND_PAD};
 use libfuzzer_sys::fuzz_target;
 
 #[derive(Debug, Arbitrary)]
 enum Op {
-    Push { len: u16, kind: u8, fill: u8 },
+    Push {
+        len: u16,
+        kind: u8,
+        fill: u8,
+        fake: u16,
+    },
     Pop,
     PeekOnly,
     IsEmpty,
-    HasRoom { len: u16 },
+    HasRoom {
+        len: u16,
+    },
 }
 
 #[derive(Debug, Arbitrary)]
 enum Scribble {
-    Tail(u64),
-    Word { at: u16, value: u64 },
+    Word {
+        at: u16,
+        value: u64,
+    },
+    /// A header word with the seal of the consumer's next position `ahead` granules on.
+    Header {
+        ahead: u8,
+        len: u32,
+        kind: u8,
+    },
 }
 
 #[derive(Debug, Arbitrary)]
@@ -77,14 +93,29 @@ fuzz_target!(|inp: Input| {
     let mut seq = 0u64;
     for op in inp.ops.iter().take(512) {
         match *op {
-            Op::Push { len, kind, fill } => {
+            Op::Push {
+                len,
+                kind,
+                fill,
+                fake,
+            } => {
                 let len = len as usize % (p.max_payload() + 1);
                 let kind = if kind == KIND_PAD { 1 } else { kind };
                 let need = record_size(len);
                 let pos = (tail as usize) % cap;
                 let pad = if need > cap - pos { cap - pos } else { 0 };
-                let fits = tail + (pad + need) as u64 - head <= cap as u64;
-                let payload: Vec<u8> = (0..len).map(|i| fill.wrapping_add(i as u8)).collect();
+                let fits = tail + (pad + need + GRANULE) as u64 - head <= cap as u64;
+                let mut payload: Vec<u8> = (0..len).map(|i| fill.wrapping_add(i as u8)).collect();
+                // Words that a consumer of a later lap would take for the header at their
+                // granule (a one-granule record of `kind`) if the producer left them there.
+                let start = tail + pad as u64;
+                let mut at = (GRANULE - HEADER) + (fake as usize % 4) * GRANULE;
+                while at + 8 <= len {
+                    let lap_pos = start + (HEADER + at) as u64 + cap as u64;
+                    payload[at..at + 8]
+                        .copy_from_slice(&header_word(kind, 8, lap_pos).to_le_bytes());
+                    at += GRANULE * (1 + fake as usize % 3);
+                }
                 let ok = p.push(kind, seq, &payload);
                 assert_eq!(ok, fits, "push of {len} B: ring said {ok}, model {fits}");
                 if ok {
@@ -127,7 +158,7 @@ fuzz_target!(|inp: Input| {
                 let need = record_size(len);
                 let pos = (tail as usize) % cap;
                 let pad = if need > cap - pos { cap - pos } else { 0 };
-                let fits = tail + (pad + need) as u64 - head <= cap as u64;
+                let fits = tail + (pad + need + GRANULE) as u64 - head <= cap as u64;
                 assert_eq!(p.has_room(len), fits, "has_room({len})");
             }
         }
@@ -137,11 +168,12 @@ fuzz_target!(|inp: Input| {
     let words = cap / 8;
     for s in inp.scribbles.iter().take(64) {
         match *s {
-            Scribble::Tail(t) => {
-                // SAFETY: the tail word is the first u64 of the 128-aligned header
-                // (`RingHeader` is `repr(C)`), accessed atomically like the ring does.
-                let a = unsafe { AtomicU64::from_ptr(mem.hdr.0.as_ptr() as *mut u64) };
-                a.store(t, Ordering::Release);
+            Scribble::Header { ahead, len, kind } => {
+                let at = head + (ahead as u64 % 8) * GRANULE as u64;
+                let i = (at as usize % cap) / 8;
+                let w = header_word(kind, len as usize, at);
+                // SAFETY: in bounds of the data area (a granule's first word).
+                unsafe { (mem.data.as_ptr() as *mut u64).add(i).write_volatile(w) };
             }
             Scribble::Word { at, value } => {
                 let i = at as usize % words;

@@ -1201,7 +1201,7 @@ impl ShmHal {
     }
 
     /// Takes incoming records (at most 64 per call); whether any was taken. One load
-    /// of the ring's tail when it is empty: the rest is out of line.
+    /// of the header word at the ring's head when it is empty: the rest is out of line.
     #[inline]
     fn receive(&mut self, t: &mut Tracker) -> Result<bool> {
         if self.rx.is_empty() {
