@@ -608,7 +608,7 @@ mod tests {
     fn a_record_past_the_cleared_mark_clears_its_end_first() {
         let cap = 8192u64;
         let (mut p, mut c) = heap(cap as usize);
-        let mut pop = |c: &mut Consumer, want: u64| {
+        let pop = |c: &mut Consumer, want: u64| {
             let r = c.peek().unwrap().expect("a record");
             assert_eq!(r.aux, want);
             c.consume(&r);
