@@ -52,23 +52,20 @@ pub const KIND_PAD: u8 = 0;
 const CLEAR_AHEAD: u64 = 32 * GRANULE as u64;
 const CLEAR_LOW: u64 = 8 * GRANULE as u64;
 
-/// A value padded to two cache lines (adjacent-line prefetch) so the producer's and the
-/// consumer's positions never share one.
+/// A value padded to two cache lines (adjacent-line prefetch), so that the consumer's
+/// position shares no line with anything the producer writes.
 #[repr(C, align(128))]
 #[derive(Debug)]
 pub struct Padded<T>(pub T);
 
-/// The shared control block of one ring: the consumer's position (and a word kept for the
-/// layout: consumers find records by their header seals, so no tail position is published).
+/// The shared control block of one ring: the consumer's position (consumers find records
+/// by their header seals, so no producer position is published).
 ///
 /// All-zero bytes are a valid, empty ring header (this is how a fresh `memfd` mapping
 /// initialises it).
 #[repr(C)]
 #[derive(Debug)]
 pub struct RingHeader {
-    /// Unused (zero): once the producer's published position, kept so that the layout of
-    /// the header (and the consumer's line) stays where it was.
-    _spare: Padded<AtomicU64>,
     head: Padded<AtomicU64>,
 }
 
@@ -76,7 +73,6 @@ impl RingHeader {
     /// An empty ring header.
     pub fn new() -> Self {
         RingHeader {
-            _spare: Padded(AtomicU64::new(0)),
             head: Padded(AtomicU64::new(0)),
         }
     }
@@ -152,15 +148,14 @@ impl Shared {
     }
 
     /// The first header word of the granule at `pos` (granule aligned, `< cap`), the word
-    /// the producer publishes a record with and the consumer polls.
+    /// the producer publishes a record with and the consumer polls. Both ends access it
+    /// atomically; plain accesses (an earlier record's payload copied over it) are ordered
+    /// before these by the protocol.
     #[cfg(not(fabric_loom))]
     #[inline(always)]
     fn word(&self, pos: usize) -> &AtomicU64 {
         debug_assert!(pos < self.cap && pos.is_multiple_of(GRANULE));
-        // SAFETY: `data` is valid for `cap` bytes and 8-aligned for the life of `_keep`
-        // (constructor contract) and `pos` is a granule boundary inside it. The word is
-        // accessed atomically by both ends; plain accesses to it (an earlier record's payload
-        // copied over it) are ordered before these by the protocol.
+        // SAFETY: `data + pos` is an 8-aligned word inside the data area, alive with `_keep`.
         unsafe { AtomicU64::from_ptr(self.data.add(pos) as *mut u64) }
     }
 
@@ -297,11 +292,7 @@ impl Producer {
     /// If `len > max_payload()` or `kind == KIND_PAD` (caller bugs, not peer input).
     pub fn reserve(&mut self, kind: u8, aux: u64, len: usize) -> Option<*mut u8> {
         assert!(len <= self.max_payload() && kind != KIND_PAD && self.reserved == 0);
-        let cap = self.s.cap;
-        let need = record_size(len);
-        let pos = (self.tail as usize) & (cap - 1);
-        let contig = cap - pos;
-        let pad = if need > contig { contig } else { 0 };
+        let (pos, pad, need) = self.placement(len);
         if !self.fits(pad + need) {
             return None;
         }
@@ -321,6 +312,18 @@ impl Producer {
         self.reserved = pad + need;
         // SAFETY: at + need <= cap, so the payload range lies inside the data area.
         Some(unsafe { self.s.data.add(at + HEADER) })
+    }
+
+    /// Where a record of `len` payload bytes goes: the offset of the tail, the padding in
+    /// front of the record (the rest of the data area, when the record does not fit there),
+    /// and the record's size.
+    #[inline]
+    fn placement(&self, len: usize) -> (usize, usize, usize) {
+        let cap = self.s.cap;
+        let need = record_size(len);
+        let pos = (self.tail as usize) & (cap - 1);
+        let pad = if need > cap - pos { cap - pos } else { 0 };
+        (pos, pad, need)
     }
 
     /// Whether `bytes` (a record and its padding) and the granule after them are free,
@@ -394,10 +397,7 @@ impl Producer {
 
     /// Whether a record of `len` payload bytes would fit now (refreshes the cached head).
     pub fn has_room(&mut self, len: usize) -> bool {
-        let cap = self.s.cap;
-        let need = record_size(len);
-        let pos = (self.tail as usize) & (cap - 1);
-        let pad = if need > cap - pos { cap - pos } else { 0 };
+        let (_, pad, need) = self.placement(len);
         self.fits(pad + need)
     }
 }
@@ -411,11 +411,9 @@ impl Consumer {
         let cap = self.s.cap;
         loop {
             let pos = (self.head as usize) & (cap - 1);
-            let w0 = self.s.word(pos).load(Ordering::Acquire);
-            if w0 >> 40 != seal(self.head) {
-                // Cleared, or an earlier lap's: nothing committed here yet.
+            let Some(w0) = self.committed(pos) else {
                 return Ok(None);
-            }
+            };
             let len = (w0 & 0xffff_ffff) as usize;
             let kind = (w0 >> 32) as u8;
             if len > cap {
@@ -472,8 +470,16 @@ impl Consumer {
 
     /// Whether a published record (or padding) is waiting.
     pub fn is_empty(&mut self) -> bool {
-        let pos = (self.head as usize) & (self.s.cap - 1);
-        self.s.word(pos).load(Ordering::Acquire) >> 40 != seal(self.head)
+        self.committed((self.head as usize) & (self.s.cap - 1))
+            .is_none()
+    }
+
+    /// The first header word at the consumer's position `pos` (its offset), if a record was
+    /// committed there: `None` while the word is cleared or holds an earlier lap's bytes.
+    #[inline]
+    fn committed(&self, pos: usize) -> Option<u64> {
+        let w0 = self.s.word(pos).load(Ordering::Acquire);
+        (w0 >> 40 == seal(self.head)).then_some(w0)
     }
 }
 
