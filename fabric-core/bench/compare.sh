@@ -35,15 +35,16 @@ read -r CPU_A CPU_B < <(taskset -pc $$ | sed 's/.*: //' | awk -F, '{ split($1, r
 # ucx TLS TEST SIZE ITERS [WARMUP] -> "median_latency_us overall_bw_MiBs" (WARMUP: UCX's
 # default when not given)
 ucx() {
-  local tls=$1 test=$2 size=$3 n=$4 out srv w=()
+  local tls=$1 test=$2 size=$3 n=$4 out srv r0 w=()
   [ -n "${5:-}" ] && w=(-w "$5")
   port=$((port + 1))
   UCX_TLS=$tls timeout 300 taskset -c "$CPU_A" ucx_perftest -p "$port" -t "$test" -s "$size" -n "$n" "${w[@]}" >/dev/null 2>&1 &
   srv=$!
   sleep 0.5
+  r0=$(retrans)
   out=$(UCX_TLS=$tls timeout 300 taskset -c "$CPU_B" ucx_perftest localhost -p "$port" -t "$test" -s "$size" -n "$n" "${w[@]}" 2>&1 | grep '^Final:' || true)
   wait "$srv" 2>/dev/null || true
-  echo "ucx $tls $test $size: $out" >&2
+  echo "ucx $tls $test $size: $out (tcp retransmissions: $(since "$r0"))" >&2
   echo "$out" | awk '{print $3, $7}'
 }
 # ours_lat TRANSPORT SIZE ITERS -> median one-way latency (us)
@@ -53,11 +54,18 @@ ours_lat() {
   echo "ours $1 lat $2: $(echo "$out" | tail -1)" >&2
   echo "$out" | awk -v s="$2" '$1 == s {print $3}'
 }
+# TCP segments this host retransmitted so far (`nstat`, iproute2), or "?" without it. On
+# loopback nothing is lost: a retransmission there is a spurious fast retransmit after
+# reordering, which BBR's pacing provokes (BENCHMARKS.md, "tcp bandwidth and the host's
+# congestion control"); the raw lines show the count of each bandwidth run.
+retrans() { { nstat -az TcpRetransSegs 2>/dev/null || true; } | awk '$1 == "TcpRetransSegs" { print $2; f = 1 } END { if (!f) print "?" }'; }
+since() { awk -v a="$1" -v b="$(retrans)" 'BEGIN { if (a == "?" || b == "?") print "?"; else print b - a }'; }
 # ours_bw TRANSPORT SIZE ITERS -> "send_MiBs memcpy_MiBs" of one run (one trial, like UCX)
 ours_bw() {
-  local out
+  local out r0
+  r0=$(retrans)
   out=$(FABRIC_TRANSPORT=$1 "$BW" --modes send --min-size "$2" --max-size "$2" --iters "$3" --warmup "$BW_WARMUP" --trials 1 </dev/null)
-  echo "ours $1 bw $2: $(echo "$out" | tail -1)" >&2
+  echo "ours $1 bw $2: $(echo "$out" | tail -1) (tcp retransmissions: $(since "$r0"))" >&2
   echo "$out" | awk -v s="$2" '$1 == s {print $2, $3}'
 }
 # best FN... -> runs the measurement TRIALS times; prints the lowest (lat) or highest (bw)
@@ -79,7 +87,9 @@ median_pair() {
 }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "n/a" }'; }
 
-echo "Measured $(date -u +%Y-%m-%dT%H:%MZ) on $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg); command: bash fabric-core/bench/compare.sh (ITERS=$ITERS BW_ITERS=$BW_ITERS BW_WARMUP=$BW_WARMUP TRIALS=$TRIALS)"
+# TCP's congestion control decides the loopback streaming figures (BBR paces; see retrans).
+CC=$(cat /proc/sys/net/ipv4/tcp_congestion_control 2>/dev/null || echo unknown)
+echo "Measured $(date -u +%Y-%m-%dT%H:%MZ) on $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg), TCP congestion control $CC; command: bash fabric-core/bench/compare.sh (ITERS=$ITERS BW_ITERS=$BW_ITERS BW_WARMUP=$BW_WARMUP TRIALS=$TRIALS)"
 echo
 echo "| transport | figure | size | ours | reference | ratio ours/ref | target (issue 12) |"
 echo "| --- | --- | ---: | ---: | ---: | ---: | --- |"
