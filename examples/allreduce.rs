@@ -100,9 +100,11 @@ struct Args {
     /// Largest message for recursive doubling.
     #[arg(long, default_value_t = 32 << 10)]
     rd_max_bytes: usize,
-    /// Ring pipeline chunk (default: 128 KiB for the write ring; for the send ring 64 KiB
-    /// over tcp, which took 4-16 MiB vectors faster in 5 of 6 runs than with 256 KiB
-    /// (BENCHMARKS), and 256 KiB elsewhere).
+    /// Ring pipeline chunk (default: 128 KiB for the write ring, 256 KiB for the send ring
+    /// except over tcp; over tcp the send ring moves a segment (the vector / ranks) of up to
+    /// 512 KiB in chunks of up to 256 KiB and larger segments in 64 KiB chunks, which took
+    /// 4-16 MiB vectors faster than larger chunks (BENCHMARKS)). Given, it holds for every
+    /// size.
     #[arg(long)]
     chunk_bytes: Option<usize>,
     /// Ring chunk slots (scratch per rank = slots × chunk).
@@ -620,6 +622,8 @@ struct Bufs<'a> {
     tmp: &'a fabric_core::Region,
     /// The ring's chunk slots.
     slots: &'a [fabric_core::Region],
+    /// The send ring's chunk for this size, in bytes (at most a slot's length).
+    chunk: usize,
     /// The right neighbour's output (one-sided all-gather).
     right_out: Option<RemoteKey>,
     bytes: usize,
@@ -1236,7 +1240,7 @@ fn allreduce_ring(comm: &mut Comm, b: &Bufs<'_>) -> Res<()> {
     let count = b.bytes / 4;
     let right = (r + 1) % n;
     let left = (r + n - 1) % n;
-    let ce = b.slots[0].len() / 4; // elements per chunk
+    let ce = (b.chunk.min(b.slots[0].len()) / 4).max(1); // elements per chunk
     let group = (b.slots.len() / 2).max(1);
     let steps = 2 * (n - 1);
     let rs_steps = n - 1;
@@ -1849,6 +1853,25 @@ fn ring_w(comm: &mut Comm, w: &mut WriteRing, b: &Bufs<'_>) -> Res<()> {
     res
 }
 
+/// Largest send-ring chunk over tcp (see [`tcp_ring_chunk`]).
+const TCP_WHOLE_MAX: usize = 256 << 10;
+/// Largest segment the tcp send ring moves in chunks of up to [`TCP_WHOLE_MAX`].
+const TCP_WHOLE_SEG: usize = 512 << 10;
+
+/// The send ring's chunk over tcp for a `bytes` vector on `n` ranks: a segment (the
+/// vector / `n`) of up to 512 KiB goes in chunks of up to 256 KiB (one chunk up to
+/// 256 KiB, two up to 512 KiB); a larger one in 64 KiB chunks. Measured with 2 ranks
+/// (BENCHMARKS, "the tcp ring's chunk"): 256 KiB – 1 MiB vectors took 11–15 % less time than
+/// with 64 KiB chunks; from 2 MiB up, larger chunks than 64 KiB were as fast or slower.
+fn tcp_ring_chunk(bytes: usize, n: usize) -> usize {
+    let seg = (bytes / 4).div_ceil(n.max(1)) * 4;
+    if seg <= TCP_WHOLE_SEG {
+        seg.clamp(4, TCP_WHOLE_MAX)
+    } else {
+        64 << 10
+    }
+}
+
 fn allreduce(comm: &mut Comm, algo: Algo, b: &Bufs<'_>) -> Res<()> {
     match algo {
         Algo::Rd => allreduce_rd(comm, b),
@@ -1925,6 +1948,16 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, oversubscribed: bool) 
         (false, _) => 256 << 10,
     };
     let chunk = (args.chunk_bytes.unwrap_or(default_chunk) / 4).max(1) * 4;
+    // The send ring's chunk per vector size: over tcp by default it follows the segment
+    // (see `tcp_ring_chunk`).
+    let tcp_whole = args.chunk_bytes.is_none() && !rs_write && kind == TransportKind::Tcp;
+    let chunk_for = |bytes: usize| {
+        if tcp_whole {
+            tcp_ring_chunk(bytes, n)
+        } else {
+            chunk
+        }
+    };
     if rs_write {
         comm.wring = Some(WriteRing::setup(&mut comm, chunk, args.slots.max(2))?);
     }
@@ -1948,8 +1981,13 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, oversubscribed: bool) 
         comm.put = Some(Box::new(PutRd::setup(&mut comm, max, args.window)?));
     }
     // The send ring's slots (the write ring has its own, remotely writable).
+    let slot_len = sizes(args.min_bytes, args.max_bytes)
+        .into_iter()
+        .map(chunk_for)
+        .max()
+        .unwrap_or(chunk);
     let slots: Vec<fabric_core::Region> = (0..if rs_write { 0 } else { args.slots.max(2) })
-        .map(|_| domain.register(chunk, Access::empty()))
+        .map(|_| domain.register(slot_len, Access::empty()))
         .collect::<fabric_core::Result<_>>()?;
     let tmp = domain.register(
         args.rd_max_bytes.max(4).min(args.max_bytes.max(4)),
@@ -1972,7 +2010,7 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, oversubscribed: bool) 
     if rank == 0 {
         println!(
             "# fabric allreduce: {n} ranks, transport {kind}, f32 sum, out of place; \
-             rd up to {} B ({}), ring chunk {chunk} B x {} slots, reduce-scatter by {}{}; \
+             rd up to {} B ({}), ring chunk {}, {} slots, reduce-scatter by {}{}; \
              waits {}",
             args.rd_max_bytes,
             if rd_put {
@@ -1986,6 +2024,15 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, oversubscribed: bool) 
                 )
             } else {
                 "sends".to_string()
+            },
+            if tcp_whole {
+                format!(
+                    "up to {} KiB for segments up to {} KiB, 64 KiB above",
+                    TCP_WHOLE_MAX >> 10,
+                    TCP_WHOLE_SEG >> 10
+                )
+            } else {
+                format!("{chunk} B")
             },
             args.slots.max(2),
             if rs_write { "writes" } else { "sends" },
@@ -2039,6 +2086,7 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, oversubscribed: bool) 
             out: &out,
             tmp: &tmp,
             slots: &slots,
+            chunk: chunk_for(bytes),
             right_out,
             bytes,
         };
@@ -2123,6 +2171,7 @@ fn barrier(comm: &mut Comm, tmp: &fabric_core::Region) -> Res<()> {
         out: &o,
         tmp,
         slots: &[],
+        chunk: 0,
         right_out: None,
         bytes: 4,
     };

@@ -41,7 +41,11 @@ fn run(args: &[&str]) -> Option<Output> {
 /// Runs and requires success; returns the table rows (size, count, iters, algo, time,
 /// algbw, busbw, check).
 fn rows_of(args: &[&str]) -> Option<Vec<Vec<String>>> {
-    let out = run(args)?;
+    Some(rows_in(args, &run(args)?))
+}
+
+/// The table rows of a finished run of `args` (which must have succeeded).
+fn rows_in(args: &[&str], out: &Output) -> Vec<Vec<String>> {
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),
@@ -49,13 +53,11 @@ fn rows_of(args: &[&str]) -> Option<Vec<Vec<String>>> {
         out.status,
         String::from_utf8_lossy(&out.stderr)
     );
-    Some(
-        stdout
-            .lines()
-            .filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit()))
-            .map(|l| l.split_whitespace().map(str::to_string).collect())
-            .collect(),
-    )
+    stdout
+        .lines()
+        .filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit()))
+        .map(|l| l.split_whitespace().map(str::to_string).collect())
+        .collect()
 }
 
 /// Every size from `min` to `max` appears once, checked, with the algorithm asked for.
@@ -215,6 +217,46 @@ fn correct_for_2_3_4_ranks_over_shm() {
 #[test]
 fn correct_for_2_3_4_ranks_over_tcp() {
     correctness("tcp");
+}
+
+/// Over tcp the send ring's default chunk follows the segment: a 1 MiB vector on 2 ranks
+/// goes in chunks of 256 KiB (two per 512 KiB segment), a 2 MiB one in 64 KiB chunks (16 per
+/// segment, more than the 8 slots); 3 ranks give uneven segments on both sides of the
+/// threshold. The header names the rule, and every size is checked.
+#[test]
+fn tcp_default_chunks_on_both_sides_of_the_segment_threshold() {
+    for ranks in ["2", "3"] {
+        let args = [
+            "--ranks",
+            ranks,
+            "--transport",
+            "tcp",
+            "--min-bytes",
+            "1048576",
+            "--max-bytes",
+            "2097152",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+        ];
+        let Some(out) = run(&args) else {
+            return;
+        };
+        let rows = rows_in(&args, &out);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            stdout.contains("ring chunk up to 256 KiB for segments up to 512 KiB, 64 KiB above"),
+            "{stdout}"
+        );
+        assert_table(
+            &rows,
+            1 << 20,
+            2 << 20,
+            "ring",
+            &format!("tcp, {ranks} ranks"),
+        );
+    }
 }
 
 #[test]
