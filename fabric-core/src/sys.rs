@@ -480,16 +480,20 @@ pub fn connect_finished(s: &std::net::TcpStream) -> Result<bool> {
     }
 }
 
-/// `writev` of `a` then `len_b` bytes at `b`; returns bytes written, `Ok(0)` when the
-/// socket would block.
+/// `sendmsg` of `a` then `len_b` bytes at `b` on a stream socket, with `MSG_NOSIGNAL`;
+/// returns bytes sent, `Ok(0)` when the socket would block.
+///
+/// A peer that went away is an error here, never a signal: `writev` on a socket whose peer
+/// closed raises `SIGPIPE`, which kills any process that keeps the default action (a C
+/// program using this library, a Rust program built to die on broken pipes).
 ///
 /// # Safety
 /// `b` must be valid for reads of `len_b` bytes for the duration of the call.
 ///
 /// # Errors
 /// [`Error::Io`] for socket failures (EPIPE/ECONNRESET included).
-pub unsafe fn writev2(fd: BorrowedFd<'_>, a: &[u8], b: *const u8, len_b: usize) -> Result<usize> {
-    let iov = [
+pub unsafe fn sendv2(sock: BorrowedFd<'_>, a: &[u8], b: *const u8, len_b: usize) -> Result<usize> {
+    let mut iov = [
         libc::iovec {
             iov_base: a.as_ptr() as *mut libc::c_void,
             iov_len: a.len(),
@@ -499,9 +503,13 @@ pub unsafe fn writev2(fd: BorrowedFd<'_>, a: &[u8], b: *const u8, len_b: usize) 
             iov_len: len_b,
         },
     ];
+    // SAFETY: msghdr is plain data; all-zero is a valid empty header.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov.as_mut_ptr();
+    msg.msg_iovlen = iov.len() as _;
     loop {
         // SAFETY: both iovecs describe readable memory (caller contract for `b`).
-        let r = unsafe { libc::writev(fd.as_raw_fd(), iov.as_ptr(), 2) };
+        let r = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
         if r >= 0 {
             return Ok(r as usize);
         }
@@ -509,8 +517,31 @@ pub unsafe fn writev2(fd: BorrowedFd<'_>, a: &[u8], b: *const u8, len_b: usize) 
         match e.kind() {
             io::ErrorKind::Interrupted => continue,
             io::ErrorKind::WouldBlock => return Ok(0),
-            _ => return Err(Error::io("writev", e)),
+            _ => return Err(Error::io("sendmsg", e)),
         }
+    }
+}
+
+/// `send` of `buf` on a stream socket with `MSG_NOSIGNAL` (a peer that went away is
+/// `EPIPE`, not a `SIGPIPE` that kills the process): what `Write::write` on a
+/// `UnixStream` does, minus the signal.
+///
+/// # Errors
+/// The socket's error, as `write` reports it (`WouldBlock` on a full non-blocking socket).
+pub fn send(sock: BorrowedFd<'_>, buf: &[u8]) -> io::Result<usize> {
+    // SAFETY: `buf` is readable for its length.
+    let r = unsafe {
+        libc::send(
+            sock.as_raw_fd(),
+            buf.as_ptr().cast(),
+            buf.len(),
+            libc::MSG_NOSIGNAL,
+        )
+    };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r as usize)
     }
 }
 

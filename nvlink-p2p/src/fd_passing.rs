@@ -9,7 +9,7 @@
 //! byte, then the payload.
 #![allow(unsafe_code)]
 
-use std::io::{Read, Write};
+use std::io::Read;
 use std::mem;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
@@ -101,10 +101,33 @@ pub fn send_with_fds(sock: &UnixStream, payload: &[u8], fds: &[BorrowedFd<'_>]) 
             return Err(Error::io("sendmsg(SCM_RIGHTS)", e));
         }
     };
-    // The fds went with the first byte; the rest of a partial write is plain data.
-    let mut w = sock;
-    w.write_all(&message[sent..])
-        .map_err(|e| Error::io("sending fd-passing payload", e))?;
+    // The fds went with the first byte; the rest of a partial write is plain data, sent
+    // with MSG_NOSIGNAL too (a peer gone is an error, not a SIGPIPE that kills the process).
+    let mut at = sent;
+    while at < message.len() {
+        let rest = &message[at..];
+        // SAFETY: `rest` is readable for its length.
+        let n = unsafe {
+            libc::send(
+                sock.as_raw_fd(),
+                rest.as_ptr().cast(),
+                rest.len(),
+                libc::MSG_NOSIGNAL,
+            )
+        };
+        if n > 0 {
+            at += n as usize;
+            continue;
+        }
+        let e = if n == 0 {
+            std::io::Error::from(std::io::ErrorKind::WriteZero)
+        } else {
+            std::io::Error::last_os_error()
+        };
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(Error::io("sending fd-passing payload", e));
+        }
+    }
     Ok(())
 }
 
@@ -309,6 +332,7 @@ pub fn pidfd_getfd(pid: i32, fd: RawFd) -> Result<OwnedFd> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::Write;
     use std::os::fd::AsFd;
 
     fn memfd(name: &str, contents: &[u8]) -> OwnedFd {

@@ -58,7 +58,7 @@
 //!   [`Status::PeerGone`].
 
 use std::collections::{HashMap, VecDeque};
-use std::io::{self, Read, Write};
+use std::io::{self, Read};
 use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
@@ -838,7 +838,7 @@ impl Out {
     /// Writes as much of the outbox as the socket takes.
     fn flush(&mut self, sock: &UnixStream) -> Result<()> {
         while self.out_pos < self.outbox.len() {
-            match (&*sock).write(&self.outbox[self.out_pos..]) {
+            match sys::send(sock.as_fd(), &self.outbox[self.out_pos..]) {
                 Ok(0) => return Err(Error::Disconnected("cuda-ipc socket closed".into())),
                 Ok(n) => self.out_pos += n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,

@@ -800,11 +800,11 @@ impl TcpHal {
             while f.sent < total {
                 let n = if f.sent < FRAME_HEADER {
                     // SAFETY: `payload` is valid for `len` bytes (see TxFrame).
-                    unsafe { sys::writev2(self.sock.as_fd(), &f.hdr[f.sent..], f.payload, f.len)? }
+                    unsafe { sys::sendv2(self.sock.as_fd(), &f.hdr[f.sent..], f.payload, f.len)? }
                 } else {
                     let o = f.sent - FRAME_HEADER;
                     // SAFETY: o < len, so payload + o is valid for len - o bytes.
-                    unsafe { sys::writev2(self.sock.as_fd(), &[], f.payload.add(o), f.len - o)? }
+                    unsafe { sys::sendv2(self.sock.as_fd(), &[], f.payload.add(o), f.len - o)? }
                 };
                 if n == 0 {
                     return Ok(moved);
