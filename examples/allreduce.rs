@@ -194,6 +194,7 @@ impl Algo {
 }
 
 fn main() {
+    fabric::cli::die_on_broken_pipe();
     let mut args = Args::parse();
     if args.transport.is_none() {
         match std::env::var("FABRIC_TRANSPORT") {

@@ -80,6 +80,7 @@ struct Args {
 }
 
 fn main() {
+    fabric::cli::die_on_broken_pipe();
     let args = Args::parse();
     let r = if let Some(addr) = &args.latency_peer {
         latency_peer(&args, addr)

@@ -255,6 +255,7 @@ fn gpus(nics: &[topology::NicInfo]) {
 }
 
 fn main() {
+    fabric::cli::die_on_broken_pipe();
     let active = rdma();
     let nics = nics();
     transports(active);

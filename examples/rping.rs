@@ -83,6 +83,7 @@ struct Args {
 type Res<T> = Result<T, Box<dyn Error>>;
 
 fn main() -> ExitCode {
+    fabric::cli::die_on_broken_pipe();
     let a = Args::parse();
     if a.server == a.client {
         eprintln!("rping: exactly one of -s (server) and -c (client) is required");

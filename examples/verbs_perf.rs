@@ -477,6 +477,7 @@ fn run(a: &Args) -> AnyResult<()> {
 }
 
 fn main() -> ExitCode {
+    fabric::cli::die_on_broken_pipe();
     let args = Args::parse();
     match run(&args) {
         Ok(()) => ExitCode::SUCCESS,

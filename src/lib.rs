@@ -1,6 +1,8 @@
 //! Root package of the workspace: it holds the `examples/` and the cross-crate `tests/`.
 //! The libraries are `ibverbs-safe`, `nvlink-p2p` and `fabric-core`.
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
+
+pub mod cli;
 
 pub mod perf;
 pub mod pingpong_wire;

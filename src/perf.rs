@@ -739,6 +739,7 @@ pub fn main_with(
     max: usize,
     measure: impl FnOnce(Peer) -> Result<(), Box<dyn std::error::Error>>,
 ) {
+    crate::cli::die_on_broken_pipe();
     let mut setup = Setup {
         name,
         server: peer.server,
@@ -756,7 +757,14 @@ pub fn main_with(
         .map_err(Into::into)
         .and_then(|()| run_sides(&setup, measure));
     if let Err(e) = r {
-        eprintln!("{name}: error: {e}");
+        // The spawned responder of a no-argument run whose initiator went away: the
+        // initiator told its own story (an error, a panic, a signal such as SIGPIPE from
+        // `| head`); a second message from here would only follow the shell's prompt.
+        let orphaned = setup.responder.is_some()
+            && matches!(e.downcast_ref::<Error>(), Some(Error::Disconnected(_)));
+        if !orphaned {
+            eprintln!("{name}: error: {e}");
+        }
         std::process::exit(1);
     }
 }

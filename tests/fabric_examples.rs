@@ -208,3 +208,53 @@ fn pingpong_and_bandwidth_on_a_worker() {
         }
     }
 }
+
+/// `pingpong | head -1`: the reader goes away after the first line; the example ends the way
+/// a C tool does (killed by `SIGPIPE`, or done), with nothing on stderr — no "failed printing
+/// to stdout" panic, and no error from its spawned peer, whose initiator is gone.
+#[test]
+fn output_into_a_pipe_that_closes_ends_quietly() {
+    use std::io::{BufRead, BufReader, Read};
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::Stdio;
+    // Sizes up to 1 MiB at 2,000 round trips each: the example is still printing rows well
+    // after the reader left (a run that ended before would prove nothing).
+    for (name, args) in [(
+        "pingpong",
+        &["--no-bw", "--max-size", "1048576", "--iters", "2000"][..],
+    )] {
+        let Some(path) = example(name) else {
+            skip(
+                "examples",
+                format_args!("example binary {name} not built next to this test"),
+            );
+            return;
+        };
+        let mut child = Command::new(path)
+            .args(args)
+            .env_remove("FABRIC_TRANSPORT")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn");
+        let mut first = String::new();
+        BufReader::new(child.stdout.take().expect("stdout"))
+            .read_line(&mut first)
+            .expect("first line");
+        // The reader (and with it the pipe's only read end) is gone here.
+        assert!(!first.is_empty(), "{name}: no output");
+        let mut err = String::new();
+        child
+            .stderr
+            .take()
+            .expect("stderr")
+            .read_to_string(&mut err)
+            .expect("stderr");
+        let st = child.wait().expect("wait");
+        assert!(
+            st.success() || st.signal() == Some(libc::SIGPIPE),
+            "{name}: {st}, stderr:\n{err}"
+        );
+        assert!(err.is_empty(), "{name}: stderr:\n{err}");
+    }
+}
