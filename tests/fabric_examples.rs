@@ -217,12 +217,15 @@ fn output_into_a_pipe_that_closes_ends_quietly() {
     use std::io::{BufRead, BufReader, Read};
     use std::os::unix::process::ExitStatusExt;
     use std::process::Stdio;
-    // Sizes up to 1 MiB at 2,000 round trips each: the example is still printing rows well
-    // after the reader left (a run that ended before would prove nothing).
-    for (name, args) in [(
-        "pingpong",
-        &["--no-bw", "--max-size", "1048576", "--iters", "2000"][..],
-    )] {
+    // Many sizes, each measured before its row: the examples are still printing well after
+    // the reader left (a run that ended before would prove nothing).
+    for (name, args) in [
+        (
+            "pingpong",
+            &["--no-bw", "--max-size", "1048576", "--iters", "2000"][..],
+        ),
+        ("bandwidth", &["--modes", "send", "--iters", "200"][..]),
+    ] {
         let Some(path) = example(name) else {
             skip(
                 "examples",
