@@ -90,33 +90,20 @@ pub fn send_with_fds(sock: &UnixStream, payload: &[u8], fds: &[BorrowedFd<'_>]) 
             }
         }
     }
-    let sent = loop {
+    // The fds go with the first byte; a partial send continues with plain data (the same
+    // sendmsg with the rest of the message and no control part). MSG_NOSIGNAL: a peer gone
+    // is an error, not a SIGPIPE that kills the process.
+    let mut at = 0;
+    while at < message.len() {
         // SAFETY: msg points at live iovec/control buffers for the duration of the call.
         let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
-        if n >= 0 {
-            break n as usize;
-        }
-        let e = std::io::Error::last_os_error();
-        if e.kind() != std::io::ErrorKind::Interrupted {
-            return Err(Error::io("sendmsg(SCM_RIGHTS)", e));
-        }
-    };
-    // The fds went with the first byte; the rest of a partial write is plain data, sent
-    // with MSG_NOSIGNAL too (a peer gone is an error, not a SIGPIPE that kills the process).
-    let mut at = sent;
-    while at < message.len() {
-        let rest = &message[at..];
-        // SAFETY: `rest` is readable for its length.
-        let n = unsafe {
-            libc::send(
-                sock.as_raw_fd(),
-                rest.as_ptr().cast(),
-                rest.len(),
-                libc::MSG_NOSIGNAL,
-            )
-        };
         if n > 0 {
             at += n as usize;
+            iov.iov_base = message[at..].as_ptr() as *mut libc::c_void;
+            iov.iov_len = message.len() - at;
+            msg.msg_iov = &mut iov;
+            msg.msg_control = std::ptr::null_mut();
+            msg.msg_controllen = 0;
             continue;
         }
         let e = if n == 0 {
@@ -125,7 +112,7 @@ pub fn send_with_fds(sock: &UnixStream, payload: &[u8], fds: &[BorrowedFd<'_>]) 
             std::io::Error::last_os_error()
         };
         if e.kind() != std::io::ErrorKind::Interrupted {
-            return Err(Error::io("sending fd-passing payload", e));
+            return Err(Error::io("sendmsg(SCM_RIGHTS)", e));
         }
     }
     Ok(())
