@@ -1,7 +1,8 @@
 //! A peer that goes away while we write to it is an error, never a signal — also in a
 //! process whose `SIGPIPE` keeps its default action (Rust programs ignore it before `main`;
 //! a C program, a Python extension or a Rust binary built to die on broken pipes does not).
-//! This test binary restores the default action first, so a plain `write`/`writev` to the
+//! This test binary restores the default action first (`fabric::cli::die_on_broken_pipe`, as
+//! the examples do), so a plain `write`/`writev` to the
 //! closed socket would kill it (the harness then reports the signal), where a
 //! `MSG_NOSIGNAL` send returns `EPIPE` and the connection's operations fail with
 //! `PeerGone`.
@@ -12,13 +13,6 @@ use fabric_core::backend::{self, Options};
 use fabric_core::{Access, Completion, Status, Transport, TransportKind};
 
 const DEADLINE: Duration = Duration::from_secs(60);
-
-fn default_sigpipe() {
-    // SAFETY: `signal` with `SIG_DFL` installs no handler; nothing else in this test binary
-    // changes the disposition.
-    let old = unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
-    assert_ne!(old, libc::SIG_ERR, "signal(SIGPIPE, SIG_DFL)");
-}
 
 /// Streams 1 MiB sends at a tcp peer that is gone until the connection reports it; returns
 /// the status the failed operations completed with.
@@ -55,7 +49,7 @@ fn stream_at_a_gone_peer(conn: &mut dyn Transport) -> Status {
 
 #[test]
 fn tcp_sends_to_a_closed_peer_fail_without_sigpipe() {
-    default_sigpipe();
+    fabric::cli::die_on_broken_pipe();
     let opts = Options::default();
     let mut l = backend::listen(TransportKind::Tcp, &opts).expect("tcp listener");
     let mut c = backend::connect(l.address(), &opts).expect("connect");
@@ -69,7 +63,7 @@ fn tcp_sends_to_a_closed_peer_fail_without_sigpipe() {
 #[test]
 fn control_socket_sends_to_a_closed_peer_fail_without_sigpipe() {
     use std::os::fd::AsFd;
-    default_sigpipe();
+    fabric::cli::die_on_broken_pipe();
     let (ours, theirs) = std::os::unix::net::UnixStream::pair().expect("socketpair");
     drop(theirs);
     let e = fabric_core::sys::send(ours.as_fd(), b"revoke").expect_err("peer closed");

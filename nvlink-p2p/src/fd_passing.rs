@@ -101,6 +101,8 @@ pub fn send_with_fds(sock: &UnixStream, payload: &[u8], fds: &[BorrowedFd<'_>]) 
             at += n as usize;
             iov.iov_base = message[at..].as_ptr() as *mut libc::c_void;
             iov.iov_len = message.len() - at;
+            // Re-derived after the writes above: they went through `iov` itself, which
+            // invalidates the pointer taken before them.
             msg.msg_iov = &mut iov;
             msg.msg_control = std::ptr::null_mut();
             msg.msg_controllen = 0;
