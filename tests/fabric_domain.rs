@@ -20,7 +20,8 @@ const DEADLINE: Duration = Duration::from_secs(20);
 mod support;
 use support::skip;
 
-/// fd / mapping counts are process-wide: the tests run one at a time.
+/// fd / mapping counts are process-wide: the tests run one at a time (every test here,
+/// the device probes included: a library they load adds mappings a count would see).
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn serial() -> std::sync::MutexGuard<'static, ()> {
@@ -791,6 +792,8 @@ fn verbs_device_selection() {
 /// with the verbs one on every port.
 #[test]
 fn verbs_port_speed_and_width_agree_with_the_kernel() {
+    // Probing loads driver libraries (new mappings) while a churn test counts them.
+    let _serial = serial();
     let nics = match fabric_core::topology::nics() {
         Ok(n) => n,
         Err(e) => {
@@ -871,6 +874,8 @@ const DMABUF_CHILD: &str = "FABRIC_DOMAIN_DMABUF_CHILD";
 /// here), `register_dmabuf` is the typed `Unsupported` exactly where the probe said no.
 #[test]
 fn verbs_gpu_memory_probe_and_registration_agree() {
+    // Probing loads driver libraries (new mappings) while a churn test counts them.
+    let _serial = serial();
     let child = std::env::var(DMABUF_CHILD).is_ok();
     let nics = match topology::nics() {
         Ok(n) => n,
@@ -1015,6 +1020,8 @@ const GPUS_CHILD: &str = "FABRIC_DOMAIN_GPUS_CHILD";
 /// host does not have) every GPU is listed, with no NUMA node or nearest NIC invented.
 #[test]
 fn gpus_are_listed_with_numa_node_and_nearest_nic() {
+    // Probing loads driver libraries (new mappings) while a churn test counts them.
+    let _serial = serial();
     let nics = topology::nics().unwrap_or_default();
     if std::env::var(GPUS_CHILD).is_ok() {
         let gpus = topology::gpus(&nics).expect("the stand-in lists its GPUs");
