@@ -23,10 +23,15 @@ use crate::transport::{
     Status, TransportKind,
 };
 
-/// A handle on an in-flight slot: index in the low 32 bits, generation in the high 32.
+/// A handle on an in-flight slot: index in the low 32 bits, generation (the low
+/// [`GEN_BITS`] of its upper half) in the high 32.
 /// Safe to send to a peer and get back: a stale or forged token is refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Token(pub u64);
+
+/// Bits of a slot's generation: it wraps at `2^GEN_BITS`, so a token fits, with a
+/// slot index below `2^16`, in 46 bits (verbs packs it with flags into a work request id).
+pub const GEN_BITS: u32 = 30;
 
 impl Token {
     fn new(idx: u32, gen: u32) -> Self {
@@ -924,7 +929,7 @@ impl Tracker {
             else {
                 continue;
             };
-            slot.gen = slot.gen.wrapping_add(1);
+            slot.gen = slot.gen.wrapping_add(1) & ((1 << GEN_BITS) - 1);
             self.free.push(t.idx() as u32);
             self.live -= 1;
             // Written field by field over the caller's old completion (whatever it still
@@ -1375,6 +1380,23 @@ mod tests {
         )
         .unwrap();
         assert_eq!(t.in_flight(), 1);
+    }
+
+    #[test]
+    fn generations_wrap_within_gen_bits_and_stale_tokens_stay_refused() {
+        let mut t = Tracker::new(1, TransportKind::Shm, caps(1));
+        let r = region(&mut t, 64, Access::empty());
+        t.slots[0].gen = (1 << GEN_BITS) - 1;
+        let old = t.post(OpDesc::Send, r.slice(0, 8).unwrap(), 1).unwrap();
+        assert_eq!(old.gen(), (1 << GEN_BITS) - 1);
+        assert!(t.complete(old, Status::Success, 8, 0));
+        let mut out = vec![Completion::default()];
+        assert_eq!(t.take(&mut out), 1);
+        let new = t.post(OpDesc::Send, r.slice(0, 8).unwrap(), 2).unwrap();
+        assert_eq!(new.gen(), 0, "the generation wraps at 2^GEN_BITS");
+        assert_eq!(new.0 >> 32 >> GEN_BITS, 0);
+        assert!(t.get(old).is_none(), "the old token names nothing now");
+        assert!(t.get(new).is_some());
     }
 
     #[test]

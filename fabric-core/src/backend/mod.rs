@@ -378,10 +378,13 @@ pub(crate) trait Hal: Send + fmt::Debug {
 pub use crate::transport::WatchFds;
 
 /// A connection: the shared [`Tracker`] plus one backend's [`Hal`].
+///
+/// Field order is drop order: the backend (a verbs queue pair, which may still hold work
+/// requests on the tracker's buffers) goes before the tracker and the buffers it owns.
 #[derive(Debug)]
 pub(crate) struct Endpoint<H: Hal> {
-    t: Tracker,
     h: H,
+    t: Tracker,
     domain: Domain,
     /// [`Transport::hold_posts`]: posts only queue until the hold ends.
     held: bool,

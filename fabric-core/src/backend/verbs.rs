@@ -76,6 +76,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Instant;
 
 use ibverbs_safe as ib;
+use ibverbs_safe::raw::{ibv_recv_wr, ibv_send_wr, ibv_sge};
 
 use super::accept::{self, AcceptQueue, Connecting, Handshake};
 use super::{
@@ -85,7 +86,7 @@ use crate::domain::{Domain, DomainBackend, MemorySupport, Registered};
 use crate::error::{Error, Result};
 use crate::region::{Access, Buf, Region};
 use crate::sys;
-use crate::tracker::{OpDesc, Token, Tracker};
+use crate::tracker::{OpDesc, Pending as Op, Token, Tracker};
 use crate::transport::{
     AtomicOp, Capabilities, MemoryKinds, MessageOrdering, PostError, PostResult, Status, Transport,
     TransportKind,
@@ -297,6 +298,58 @@ const CHECK_EVERY: u32 = 1024;
 /// At most this many work requests in a row go unsignalled in one doorbell.
 const SIGNAL_EVERY: usize = 16;
 
+/// The ids of the work requests a connection posts for its tracker's operations. They go
+/// through `ibverbs-safe`'s raw layer: the tracker already owns each operation's buffer
+/// (and through it the region and its registration) until the completion is taken, so a
+/// second, per-request bookkeeping in the safe layer would only cost time. An id holds:
+/// bit 0 set (the raw layer's mark), bit 1 the receive queue (a flushed completion's
+/// opcode is undefined), bits 2-17 the connection's epoch, bits 18-33 the slot index and
+/// bits 34-63 the slot's generation ([`crate::tracker::GEN_BITS`]). The epoch tells a late
+/// completion of a destroyed queue pair from one of a new queue pair that got the same
+/// number (the safe layer knows its own requests' queue is gone; a raw id carries it).
+mod raw_id {
+    use std::sync::atomic::{AtomicU16, Ordering};
+
+    use crate::tracker::{Token, GEN_BITS};
+
+    /// Bits of the slot index: the tracker has at most `CQ_DEPTH / 2` slots.
+    const IDX_BITS: u32 = 16;
+    const _: () = assert!(super::CQ_DEPTH / 2 <= 1 << IDX_BITS);
+    const _: () = assert!(34 + GEN_BITS == 64);
+
+    /// The id of `token`'s work request (`recv`: on the receive queue).
+    #[inline(always)]
+    pub(super) fn encode(token: Token, recv: bool, epoch: u16) -> u64 {
+        let idx = token.0 & ((1 << IDX_BITS) - 1);
+        let gen = (token.0 >> 32) & ((1 << GEN_BITS) - 1);
+        1 | (u64::from(recv) << 1) | (u64::from(epoch) << 2) | (idx << 18) | (gen << 34)
+    }
+
+    /// The token a raw id names.
+    #[inline(always)]
+    pub(super) fn token(wr_id: u64) -> Token {
+        Token(((wr_id >> 34) << 32) | ((wr_id >> 18) & ((1 << IDX_BITS) - 1)))
+    }
+
+    /// Whether the raw id is a receive's.
+    #[inline(always)]
+    pub(super) fn recv(wr_id: u64) -> bool {
+        wr_id & 2 != 0
+    }
+
+    /// The epoch of the connection that posted it.
+    #[inline(always)]
+    pub(super) fn epoch(wr_id: u64) -> u16 {
+        (wr_id >> 2) as u16
+    }
+
+    /// A new connection's epoch (wraps after 65,536 connections of the process).
+    pub(super) fn next_epoch() -> u16 {
+        static NEXT: AtomicU16 = AtomicU16::new(0);
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
 fn unavailable(reason: impl Into<String>) -> Error {
     Error::Unavailable {
         transport: TransportKind::Verbs,
@@ -420,6 +473,8 @@ struct Wc {
     recv: bool,
     /// From the domain's shared receive queue (`wr_id` is the buffer's index there).
     srq: bool,
+    /// Posted through the raw layer: `wr_id` is a [`raw_id`] (a tracker token).
+    raw: bool,
 }
 
 /// Who sleeps until a connection's mailbox gets a completion.
@@ -443,6 +498,8 @@ enum Wake {
 
 #[derive(Debug, Default)]
 struct Mailbox {
+    /// The epoch of the connection whose queue pair has this number now ([`raw_id`]).
+    epoch: u16,
     q: VecDeque<Wc>,
     watch: Watch,
     /// The connection failed and is not progressed any more: its completions are not
@@ -463,10 +520,17 @@ struct Demux {
 }
 
 impl Demux {
-    /// Opens `qp`'s mailbox; hands back what a stale one of the same number held.
-    fn open(&mut self, qp: u32) -> VecDeque<Wc> {
+    /// Opens `qp`'s mailbox for the connection of `epoch`; hands back what a stale one of
+    /// the same number held.
+    fn open(&mut self, qp: u32, epoch: u16) -> VecDeque<Wc> {
         let left = self.close(qp);
-        self.boxes.insert(qp, Mailbox::default());
+        self.boxes.insert(
+            qp,
+            Mailbox {
+                epoch,
+                ..Mailbox::default()
+            },
+        );
         left
     }
 
@@ -520,9 +584,13 @@ impl Demux {
     }
 
     /// Queues a completion of `qp` (dropped when no connection has that queue pair: a
-    /// closed one's) and says whom to wake.
+    /// closed one's, or a raw one of an earlier queue pair of the same number) and says
+    /// whom to wake.
     fn route(&mut self, qp: u32, wc: Wc) -> Option<Wake> {
         let b = self.boxes.get_mut(&qp)?;
+        if wc.raw && raw_id::epoch(wc.wr_id) != b.epoch {
+            return None;
+        }
         b.q.push_back(wc);
         match std::mem::take(&mut b.watch) {
             Watch::None => None,
@@ -629,7 +697,7 @@ impl HubState {
     fn pump(
         &mut self,
         hub_event: BorrowedFd<'_>,
-        mine: Option<u32>,
+        mine: Option<(u32, u16)>,
         own: &mut dyn FnMut(Wc),
     ) -> Result<usize> {
         let mut total = 0;
@@ -640,23 +708,36 @@ impl HubState {
                 .map_err(|e| Error::Protocol(format!("poll_cq: {e}")))?;
             for c in &mut self.wcs[..n] {
                 let queue = c.queue();
-                let gone = queue.is_none();
+                let wr_id = c.wr_id();
+                // Raw: what the tracker posted (odd ids; the safe layer's completions of a
+                // destroyed queue pair come with none, id 0).
+                let raw = queue.is_none() && wr_id & 1 == 1;
+                if queue.is_none() && !raw {
+                    continue; // a late flush of a destroyed queue pair
+                }
                 let wc = Wc {
-                    wr_id: c.wr_id(),
+                    wr_id,
                     status: c.status(),
                     byte_len: c.byte_len(),
                     imm: c.imm(),
-                    recv: matches!(queue, Some(ib::QueueKind::Recv | ib::QueueKind::Srq)),
+                    recv: if raw {
+                        raw_id::recv(wr_id)
+                    } else {
+                        matches!(queue, Some(ib::QueueKind::Recv | ib::QueueKind::Srq))
+                    },
                     srq: queue == Some(ib::QueueKind::Srq),
+                    raw,
                 };
                 let qp = c.qp_num();
-                drop(c.take_bufs());
-                if gone {
-                    continue; // a late flush of a destroyed queue pair
+                if !raw {
+                    drop(c.take_bufs());
                 }
-                if Some(qp) == mine {
-                    own(wc);
-                    total += 1;
+                if let Some((_, epoch)) = mine.filter(|&(me, _)| me == qp) {
+                    // (A raw one of an earlier queue pair of this number is dropped.)
+                    if !raw || raw_id::epoch(wr_id) == epoch {
+                        own(wc);
+                        total += 1;
+                    }
                 } else if !self.demux.is_open(qp) {
                     // A closed connection's: a shared buffer goes back to the SRQ.
                     give_back(self.pool.as_deref(), wc);
@@ -672,8 +753,8 @@ impl HubState {
     }
 
     /// Opens `qp`'s mailbox (see [`Demux::open`]).
-    fn open(&mut self, qp: u32) {
-        for wc in self.demux.open(qp) {
+    fn open(&mut self, qp: u32, epoch: u16) {
+        for wc in self.demux.open(qp, epoch) {
             give_back(self.pool.as_deref(), wc);
         }
     }
@@ -755,6 +836,8 @@ struct Seat {
     hub: Arc<Hub>,
     depth: u32,
     qp_num: Option<u32>,
+    /// Its connection's epoch ([`raw_id`]), set with `qp_num`.
+    epoch: u16,
 }
 
 impl Drop for Seat {
@@ -782,6 +865,7 @@ impl VerbsDomain {
                     hub: h,
                     depth,
                     qp_num: None,
+                    epoch: 0,
                 });
             }
         }
@@ -820,6 +904,7 @@ impl VerbsDomain {
             hub,
             depth,
             qp_num: None,
+            epoch: 0,
         })
     }
 }
@@ -1016,8 +1101,10 @@ fn prepare(domain: &Domain) -> Result<Prepared> {
         b.build_rc().map_err(e)?
     };
     let q = qp.qp_num();
-    seat.hub.lock().open(q);
+    let epoch = raw_id::next_epoch();
+    seat.hub.lock().open(q, epoch);
     seat.qp_num = Some(q);
+    seat.epoch = epoch;
     Ok(Prepared {
         qp,
         seat,
@@ -1305,7 +1392,7 @@ fn finish(
         eager,
         sq: VecDeque::with_capacity(p.depth as usize),
         sq_depth: p.depth as usize,
-        batch: ib::SendBatch::new(),
+        db: Doorbell::new(),
         seat: p.seat,
         sock,
         lone: OnceLock::new(),
@@ -1727,6 +1814,33 @@ impl Lone {
     }
 }
 
+/// The work requests of one doorbell, reused (never resized: the links between them and to
+/// their scatter entries are set right before each post).
+struct Doorbell {
+    /// [`ib::MAX_BATCH`] requests.
+    wrs: Vec<ibv_send_wr>,
+    /// Their scatter entries, two per request.
+    sges: Vec<ibv_sge>,
+}
+
+// SAFETY: the raw pointers in the requests point only into the doorbell's own vectors
+// (heap memory that moves with it) and are only used by the thread that holds it `&mut`.
+unsafe impl Send for Doorbell {}
+
+impl Doorbell {
+    fn new() -> Self {
+        let sge = ibv_sge {
+            addr: 0,
+            length: 0,
+            lkey: 0,
+        };
+        Doorbell {
+            wrs: vec![ib::raw::send_wr(); ib::MAX_BATCH],
+            sges: vec![sge; 2 * ib::MAX_BATCH],
+        }
+    }
+}
+
 /// One connection: its queue pair (its CQ is the domain's shared one) and side socket.
 /// Field order is drop order: the queue pair before its seat in the CQ.
 struct VerbsHal {
@@ -1740,8 +1854,8 @@ struct VerbsHal {
     sq: VecDeque<Token>,
     /// The send queue's depth.
     sq_depth: usize,
-    /// Reused for every multi-request doorbell.
-    batch: ib::SendBatch,
+    /// The work requests of one doorbell.
+    db: Doorbell,
     seat: Seat,
     sock: TcpStream,
     lone: OnceLock<Option<Lone>>,
@@ -1784,57 +1898,138 @@ fn map_status(s: ib::WcStatus) -> Status {
 }
 
 impl VerbsHal {
-    #[inline]
-    fn local(t: &Tracker, token: Token) -> Result<ib::MrSlice> {
-        let p = t.live(token, "verbs submission")?;
+    /// The scatter entry of an operation's buffer: its bytes in the region's registration
+    /// (host address, or a DMA-BUF registration's I/O virtual address).
+    #[inline(always)]
+    fn sge(p: &Op) -> Result<ibv_sge> {
         let b = backing_of(p.buf.region())
             .ok_or(Error::Foreign("buffer without a verbs registration"))?;
-        b.full
-            .slice(p.buf.offset()..p.buf.offset() + p.buf.len())
-            .map_err(|e| Error::Protocol(e.to_string()))
+        Ok(ibv_sge {
+            addr: b.full.addr() + p.buf.offset() as u64,
+            // At most max_message (2^30): the tracker checked it.
+            length: p.buf.len() as u32,
+            lkey: b.full.lkey(),
+        })
     }
 
-    /// The work request of the queued operation `token` (its wr_id not set).
+    /// Fills work request `i` of the doorbell being built (`wrs[i]`, its scatter entries
+    /// `sges[2i..2i + 2]`; the links are set by [`ring`](Self::ring)) for the queued
+    /// operation `token`. `signal`: it must ask for a completion; otherwise a send or a
+    /// write goes without one. Says whether it went without.
     #[inline(always)]
-    fn request(&self, t: &Tracker, token: Token) -> Result<ib::SendRequest> {
-        let slice = Self::local(t, token)?;
-        let (desc, imm, tag) = {
-            let p = t.live(token, "verbs submission")?;
-            (p.desc, p.imm, p.tag)
+    fn fill(&mut self, t: &Tracker, token: Token, i: usize, signal: bool) -> Result<bool> {
+        let p = t.live(token, "verbs submission")?;
+        let sge = Self::sge(p)?;
+        let mut num_sge = 1;
+        let mut imm_data = 0;
+        let mut wr = ib::raw::ibv_send_wr_wr {
+            atomic: ib::raw::ibv_send_wr_atomic::default(),
         };
-        let remote = |key: &crate::RemoteKey, off: u64, len: u64| ib::RemoteMemory {
-            addr: key.addr + off,
-            len,
+        let rdma = |key: &crate::RemoteKey, off: u64| ib::raw::ibv_send_wr_rdma {
+            remote_addr: key.addr + off,
             rkey: key.rkey,
         };
-        Ok(match desc {
-            OpDesc::Send => match &self.eager {
-                None => ib::SendRequest::send(slice),
-                Some(e) => ib::SendRequest::send(tagged(e, token, tag, slice)?),
-            },
-            OpDesc::Write { key, off } => {
-                let l = slice.len() as u64;
-                let w = ib::SendRequest::write(slice, remote(&key, off, l));
-                // Write with immediate: consumes a receive at the target.
-                match imm {
-                    Some(imm) => w.imm(imm),
-                    None => w,
+        let atomic = |key: &crate::RemoteKey, off: u64, compare_add: u64, swap: u64| {
+            ib::raw::ibv_send_wr_atomic {
+                remote_addr: key.addr + off,
+                compare_add,
+                swap,
+                rkey: key.rkey,
+            }
+        };
+        let (opcode, may_quiet) = match p.desc {
+            OpDesc::Send => {
+                match &self.eager {
+                    None => self.db.sges[2 * i] = sge,
+                    Some(e) => {
+                        self.db.sges[2 * i] = header(e, token, p.tag)?;
+                        if sge.length > 0 {
+                            self.db.sges[2 * i + 1] = sge;
+                            num_sge = 2;
+                        }
+                    }
                 }
+                (ib::raw::IBV_WR_SEND, true)
+            }
+            OpDesc::Write { key, off } => {
+                self.db.sges[2 * i] = sge;
+                wr.rdma = rdma(&key, off);
+                // Write with immediate: consumes a receive at the target.
+                let op = match p.imm {
+                    Some(imm) => {
+                        imm_data = imm.to_be();
+                        ib::raw::IBV_WR_RDMA_WRITE_WITH_IMM
+                    }
+                    None => ib::raw::IBV_WR_RDMA_WRITE,
+                };
+                (op, true)
             }
             OpDesc::Read { key, off } => {
-                let l = slice.len() as u64;
-                ib::SendRequest::read(slice, remote(&key, off, l))
+                self.db.sges[2 * i] = sge;
+                wr.rdma = rdma(&key, off);
+                (ib::raw::IBV_WR_RDMA_READ, false)
             }
-            OpDesc::Atomic { key, off, op } => match op {
-                AtomicOp::CompareSwap { expect, new } => {
-                    ib::SendRequest::compare_swap(slice, remote(&key, off, 8), expect, new)
-                }
-                AtomicOp::FetchAdd { add } => {
-                    ib::SendRequest::fetch_add(slice, remote(&key, off, 8), add)
-                }
-            },
-            OpDesc::Recv => unreachable!("receives are not submissions"),
-        })
+            OpDesc::Atomic { key, off, op } => {
+                // The tracker checked the buffer: 8 bytes, aligned.
+                self.db.sges[2 * i] = sge;
+                let (code, a) = match op {
+                    AtomicOp::CompareSwap { expect, new } => (
+                        ib::raw::IBV_WR_ATOMIC_CMP_AND_SWP,
+                        atomic(&key, off, expect, new),
+                    ),
+                    AtomicOp::FetchAdd { add } => (
+                        ib::raw::IBV_WR_ATOMIC_FETCH_AND_ADD,
+                        atomic(&key, off, add, 0),
+                    ),
+                };
+                wr.atomic = a;
+                (code, false)
+            }
+            OpDesc::Recv => {
+                return Err(Error::Protocol(
+                    "verbs submission: a receive among the sends".into(),
+                ))
+            }
+        };
+        let quiet = may_quiet && !signal;
+        let w = &mut self.db.wrs[i];
+        w.wr_id = raw_id::encode(token, false, self.seat.epoch);
+        w.num_sge = num_sge;
+        w.opcode = opcode;
+        w.send_flags = if quiet { 0 } else { ib::raw::IBV_SEND_SIGNALED };
+        w.imm_data = imm_data;
+        w.wr = wr;
+        Ok(quiet)
+    }
+
+    /// Rings one doorbell for `wrs[..n]` (filled by [`fill`](Self::fill)).
+    fn ring(&mut self, n: usize) -> std::result::Result<(), ib::Error> {
+        debug_assert!(n >= 1 && n <= self.db.wrs.len());
+        let wrs = self.db.wrs.as_mut_ptr();
+        let sges = self.db.sges.as_mut_ptr();
+        for k in 0..n {
+            // SAFETY: `k < n <= wrs.len()` and `2k + 1 < sges.len()` (twice as many); the
+            // vectors are never resized, so the pointers stay in bounds.
+            unsafe {
+                let w = &mut *wrs.add(k);
+                w.sg_list = sges.add(2 * k);
+                w.next = if k + 1 < n {
+                    wrs.add(k + 1)
+                } else {
+                    std::ptr::null_mut()
+                };
+            }
+        }
+        // SAFETY: (1) `wrs[..n]` is a NULL-terminated chain of requests built by `fill`
+        // for this RC queue pair (valid opcodes, odd ids), each naming its scatter entries
+        // in `sges`. (2) Every entry names a buffer the tracker validated as this domain's
+        // (one protection domain) and within its region; the tracker owns that buffer,
+        // and through it the region and its registration, until the operation's completion
+        // is taken or the connection failed (then the queue pair is in the error state, and
+        // dropping a connection destroys its queue pair before its tracker); the caller
+        // cannot touch the buffer meanwhile. (3) Completions come back through the hub's
+        // `CompletionQueue::poll`, by their raw ids.
+        unsafe { self.qp.post_send_raw(&mut *wrs) }
     }
 
     fn submit(&mut self, t: &mut Tracker) -> Result<bool> {
@@ -1843,14 +2038,24 @@ impl VerbsHal {
             moved |= run_held(t, e, &mut self.qp)?;
         }
         while let Some(token) = t.recv_front().filter(|_| self.eager.is_none()) {
-            let slice = Self::local(t, token)?;
-            match self.qp.post_recv(slice, token.0) {
+            let mut sge = Self::sge(t.live(token, "verbs receive")?)?;
+            let mut wr = ibv_recv_wr {
+                wr_id: raw_id::encode(token, true, self.seat.epoch),
+                next: std::ptr::null_mut(),
+                sg_list: &mut sge,
+                num_sge: 1,
+            };
+            // SAFETY: one request with an odd id and one scatter entry, for a buffer the
+            // tracker validated and owns until the completion is taken or the connection
+            // failed (see `ring`); its completion comes back through the hub's poll. The
+            // receive queue has room: every posted receive is a live tracker slot, and the
+            // tracker has at most the queue's depth.
+            match unsafe { self.qp.post_recv_raw(&mut wr) } {
                 Ok(()) => {
                     t.recv_pop();
                     moved = true;
                 }
-                Err(e) if matches!(e.error, ib::Error::QueueFull { .. }) => break,
-                Err(e) => return Err(Error::Protocol(format!("post_recv: {}", e.error))),
+                Err(e) => return Err(Error::Protocol(format!("post_recv: {e}"))),
             }
         }
         if !t.has_submissions() {
@@ -1858,7 +2063,7 @@ impl VerbsHal {
         }
         // Sends and one-sided operations: as many as the send queue surely has room for
         // (`sq` holds every work request posted and not yet retired), up to MAX_BATCH per
-        // doorbell; one alone goes by `post_send`.
+        // doorbell; one alone goes signalled.
         loop {
             let room = self.sq_depth.saturating_sub(self.sq.len());
             let n = t.submit_len().min(room).min(ib::MAX_BATCH);
@@ -1867,101 +2072,66 @@ impl VerbsHal {
             }
             if n == 1 {
                 let Some(token) = t.submit_front() else { break };
-                let req = self.request(t, token)?;
-                match self.qp.post_send(req.wr_id(token.0)) {
-                    Ok(()) => {
-                        t.submit_pop();
-                        self.sq.push_back(token);
-                    }
-                    Err(e) if matches!(e.error, ib::Error::QueueFull { .. }) => break,
+                self.fill(t, token, 0, true)?;
+                t.submit_pop();
+                match self.ring(1) {
+                    Ok(()) => self.sq.push_back(token),
+                    // Refused by the provider (e.g. an invalid request): fail this op.
                     Err(_) => {
-                        // Refused by the verbs layer (e.g. an invalid request): fail this op.
-                        t.submit_pop();
                         t.complete(token, Status::ProtocolError, 0, 0);
                     }
                 }
                 moved = true;
                 continue;
             }
-            let (posted, more) = self.post_many(t, n)?;
-            moved |= posted > 0;
-            if !more {
-                break;
-            }
+            self.post_many(t, n)?;
+            moved = true;
         }
         Ok(moved)
     }
 
-    /// Posts the first `n` (at least 2) queued operations behind one doorbell; says how
-    /// many left the queue and whether to go on. Kept out of `submit` (never inlined): its arrays of
-    /// work requests would otherwise make every single post pay for a large stack frame.
+    /// Posts the first `n` (at least 2) queued operations behind one doorbell. Kept out of
+    /// `submit` (never inlined), so that a single post does not pay for its loop.
     #[inline(never)]
-    fn post_many(&mut self, t: &mut Tracker, n: usize) -> Result<(usize, bool)> {
+    fn post_many(&mut self, t: &mut Tracker, n: usize) -> Result<()> {
         let mut unsignalled = 0;
         for i in 0..n {
-            let Some(token) = t.submit_get(i) else { break };
-            let mut req = match self.request(t, token) {
-                Ok(r) => r.wr_id(token.0),
-                Err(e) => {
-                    drop(self.batch.drain());
-                    return Err(e);
-                }
+            let Some(token) = t.submit_get(i) else {
+                return Err(Error::Protocol("verbs submission queue shrank".into()));
             };
             // Selective signalling: sends and writes may go without a completion of
             // their own, except every SIGNAL_EVERY-th and the last of the doorbell;
             // the next signalled one's completion retires them (send queues complete
             // in order). READs and atomics (their completion says data arrived) keep
             // theirs.
-            let quiet = t
-                .get(token)
-                .is_some_and(|p| matches!(p.desc, OpDesc::Send | OpDesc::Write { .. }));
-            if quiet && i + 1 < n && unsignalled + 1 < SIGNAL_EVERY {
-                req = req.unsignaled();
+            let signal = i + 1 == n || unsignalled + 1 >= SIGNAL_EVERY;
+            if self.fill(t, token, i, signal)? {
                 unsignalled += 1;
             } else {
                 unsignalled = 0;
             }
-            if self.batch.push(req).is_err() {
-                break;
-            }
         }
-        let want = self.batch.len();
-        let res = self.qp.post_batch(&mut self.batch);
-        let posted = match &res {
-            Ok(p) => *p,
-            Err(_) => want - self.batch.len(),
-        };
-        for _ in 0..posted {
+        let res = self.ring(n);
+        for _ in 0..n {
             if let Some(token) = t.submit_pop() {
                 self.sq.push_back(token);
             }
         }
-        // What was not posted goes back to the tracker's queue (rebuilt next time).
-        drop(self.batch.drain());
         if let Err(e) = res {
-            if posted > 0 {
-                // The posted part may end without a signalled request, so its
-                // completions might never come: give the connection up (the flushes
-                // of the error state retire what was posted).
-                let _ = self.qp.set_error();
-                return Err(Error::Protocol(format!("post_send (batch): {e}")));
-            }
-            if matches!(e, ib::Error::QueueFull { .. }) {
-                return Ok((0, false));
-            }
-            // The first request was refused: fail that op, as a single post does.
-            if let Some(token) = t.submit_pop() {
-                t.complete(token, Status::ProtocolError, 0, 0);
-            }
-            return Ok((1, true));
+            // The provider refused a request of the chain: those before it went out, but
+            // which is not told, and the part that went may end without a signalled
+            // request. Give the connection up: the error state's flushes retire whatever
+            // was posted (their ids are in `sq`).
+            let _ = self.qp.set_error();
+            return Err(Error::Protocol(format!("post_send ({n} requests): {e}")));
         }
-        Ok((posted, posted == want))
+        Ok(())
     }
 
     /// Takes this connection's completions: those another connection routed to its
     /// mailbox, then what the shared CQ holds (routing the others').
     fn reap(&mut self, t: &mut Tracker) -> Result<bool> {
-        let me = self.qp_num;
+        let me = (self.qp_num, self.seat.epoch);
         let VerbsHal {
             seat,
             eager,
@@ -1976,7 +2146,7 @@ impl VerbsHal {
             Some(e) if wc.recv => on_bounce(t, e, qp, wc),
             _ => complete(t, sq, wc),
         };
-        while let Some(wc) = st.demux.take(me) {
+        while let Some(wc) = st.demux.take(me.0) {
             on(wc);
             n += 1;
         }
@@ -2004,23 +2174,17 @@ impl VerbsHal {
     }
 }
 
-/// The scatter list of an eager-mode send: its tag header (in the slot's header cell),
-/// then the payload.
-fn tagged(e: &Eager, token: Token, tag: u64, payload: ib::MrSlice) -> Result<ib::SgList> {
+/// The first scatter entry of an eager-mode send: its tag header, written into the slot's
+/// header cell (the payload follows as a second entry).
+fn header(e: &Eager, token: Token, tag: u64) -> Result<ibv_sge> {
     let at = (token.0 & u64::from(u32::MAX)) as usize * TAG_HEADER;
     e.hdr.write_at(at, &tag.to_le_bytes())?;
     let b = backing_of(&e.hdr).ok_or(Error::Foreign("tag headers without a registration"))?;
-    let h = b
-        .full
-        .slice(at..at + TAG_HEADER)
-        .map_err(|e| Error::Protocol(e.to_string()))?;
-    let mut sg = ib::SgList::new();
-    let full = |_| Error::Protocol("verbs send: scatter list full".into());
-    sg.push(h).map_err(full)?;
-    if !payload.is_empty() {
-        sg.push(payload).map_err(full)?;
-    }
-    Ok(sg)
+    Ok(ibv_sge {
+        addr: b.full.addr() + at as u64,
+        length: TAG_HEADER as u32,
+        lkey: b.full.lkey(),
+    })
 }
 
 /// Hands one completion to the tracker. A send-queue completion first retires, as
@@ -2028,7 +2192,10 @@ fn tagged(e: &Eager, token: Token, tag: u64, payload: ib::MrSlice) -> Result<ib:
 /// queues complete in order, and a failing work request always reports itself, signalled
 /// or not).
 fn complete(t: &mut Tracker, sq: &mut VecDeque<Token>, wc: Wc) {
-    let token = Token(wc.wr_id);
+    if !wc.raw {
+        return; // (every operation's request is posted raw; eager buffers go elsewhere)
+    }
+    let token = raw_id::token(wc.wr_id);
     if !wc.recv {
         while let Some(&front) = sq.front() {
             sq.pop_front();
@@ -2121,6 +2288,11 @@ impl Hal for VerbsHal {
 
     fn progress(&mut self, t: &mut Tracker) -> Result<()> {
         let r = self.progress_inner(t);
+        if r.is_err() {
+            // The caller fails every operation and hands the buffers back: no request of
+            // this queue pair may go on with them.
+            let _ = self.qp.set_error();
+        }
         if self.shared() && !self.discarded && (r.is_err() || t.failure().is_some()) {
             // A failed connection is not progressed any more (the endpoint skips it, a
             // worker leaves it dormant): its shared receive buffers, held or still to
@@ -2148,7 +2320,12 @@ impl Hal for VerbsHal {
     /// of it): no CQ poll, no second pass. Completions are taken by the next `poll`; `arm`
     /// routes what the CQ holds before it lets a caller sleep, so none is missed.
     fn post_kick(&mut self, t: &mut Tracker, _recv: bool) -> Result<()> {
-        self.submit(t).map(|_| ())
+        let r = self.submit(t).map(|_| ());
+        if r.is_err() {
+            // As in `progress`: the caller fails everything and hands the buffers back.
+            let _ = self.qp.set_error();
+        }
+        r
     }
 
     fn wait_fd(&self) -> BorrowedFd<'_> {
@@ -2262,7 +2439,53 @@ mod tests {
             imm: None,
             recv: false,
             srq: false,
+            raw: false,
         }
+    }
+
+    #[test]
+    fn raw_ids_carry_token_queue_and_epoch_and_are_odd() {
+        use crate::tracker::GEN_BITS;
+        for (idx, gen) in [
+            (0u64, 0u64),
+            (511, 1),
+            (3, (1 << GEN_BITS) - 1),
+            (65_535, 12_345),
+        ] {
+            let token = Token((gen << 32) | idx);
+            for recv in [false, true] {
+                for epoch in [0u16, 1, 0xbeef, u16::MAX] {
+                    let id = raw_id::encode(token, recv, epoch);
+                    assert_eq!(id & 1, 1, "the raw layer takes odd ids only");
+                    assert_eq!(raw_id::token(id), token);
+                    assert_eq!(raw_id::recv(id), recv);
+                    assert_eq!(raw_id::epoch(id), epoch);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_raw_completion_of_an_earlier_queue_pair_of_the_same_number_is_dropped() {
+        let mut d = Demux::default();
+        let raw = |epoch: u16, idx: u64| Wc {
+            raw: true,
+            ..wc(raw_id::encode(Token(idx), false, epoch))
+        };
+        // Queue pair 7 of epoch 1 closed with a completion still in the CQ; a new
+        // connection (epoch 2) got the number 7.
+        d.open(7, 2);
+        assert!(d.route(7, raw(1, 3)).is_none());
+        assert_eq!(
+            d.take(7),
+            None,
+            "the stale one must not reach the new connection"
+        );
+        assert!(d.route(7, raw(2, 3)).is_none());
+        assert_eq!(d.take(7), Some(raw(2, 3)));
+        // The safe layer's own completions (eager buffers) carry no epoch.
+        assert!(d.route(7, wc(4)).is_none());
+        assert_eq!(d.take(7), Some(wc(4)));
     }
 
     #[test]
@@ -2309,7 +2532,7 @@ mod tests {
     #[test]
     fn a_discarding_mailbox_queues_nothing_and_wakes_nobody() {
         let mut d = Demux::default();
-        d.open(5);
+        d.open(5, 0);
         assert!(d.watch(5, Watch::Worker(1)));
         d.route(5, wc(1));
         assert!(d.route(5, wc(2)).is_none());
@@ -2325,8 +2548,8 @@ mod tests {
     #[test]
     fn waking_now_tells_the_worker_once() {
         let mut d = Demux::default();
-        d.open(1);
-        d.open(2);
+        d.open(1, 0);
+        d.open(2, 0);
         assert!(matches!(d.wake_now(1, Watch::Worker(7)), Some(Wake::Hub)));
         assert!(d.wake_now(1, Watch::Worker(7)).is_none());
         assert!(d.wake_now(2, Watch::Worker(7)).is_none());
@@ -2343,7 +2566,7 @@ mod tests {
     #[test]
     fn closing_a_mailbox_hands_back_what_it_held() {
         let mut d = Demux::default();
-        assert!(d.open(3).is_empty());
+        assert!(d.open(3, 0).is_empty());
         let mut r = wc(5);
         r.recv = true;
         r.srq = true;
@@ -2357,8 +2580,8 @@ mod tests {
     #[test]
     fn completions_reach_their_queue_pair_in_order() {
         let mut d = Demux::default();
-        d.open(7);
-        d.open(9);
+        d.open(7, 0);
+        d.open(9, 0);
         assert!(d.route(7, wc(1)).is_none());
         assert!(d.route(9, wc(2)).is_none());
         assert!(d.route(7, wc(3)).is_none());
@@ -2374,9 +2597,9 @@ mod tests {
     #[test]
     fn a_watched_mailbox_wakes_its_sleeper_once() {
         let mut d = Demux::default();
-        d.open(1);
-        d.open(2);
-        d.open(3);
+        d.open(1, 0);
+        d.open(2, 0);
+        d.open(3, 0);
         assert!(d.watch(1, Watch::Worker(1)));
         assert!(d.watch(2, Watch::Worker(1)));
         let fd = Arc::new(sys::eventfd().unwrap());
@@ -2421,8 +2644,8 @@ mod tests {
     #[test]
     fn each_worker_is_told_only_of_its_own_endpoints() {
         let mut d = Demux::default();
-        d.open(1);
-        d.open(2);
+        d.open(1, 0);
+        d.open(2, 0);
         assert!(d.watch(1, Watch::Worker(10)));
         assert!(d.watch(2, Watch::Worker(20)));
         assert!(matches!(d.route(1, wc(1)), Some(Wake::Hub)));
@@ -2433,7 +2656,7 @@ mod tests {
     #[test]
     fn mail_already_waiting_refuses_the_watch() {
         let mut d = Demux::default();
-        d.open(4);
+        d.open(4, 0);
         assert!(d.route(4, wc(1)).is_none());
         assert!(d.has_mail(4));
         assert!(!d.watch(4, Watch::Worker(1)));
