@@ -474,7 +474,16 @@ impl Tracker {
         };
         let slot = &mut self.slots[idx as usize];
         let token = Token::new(idx, slot.gen);
-        slot.op = Some(Pending {
+        // A free slot holds nothing (`take_ready` took its operation before freeing it).
+        // Checked, so that the store below has no old value to drop.
+        if slot.op.is_some() {
+            self.free.push(idx);
+            return Err(PostError {
+                error: Error::Protocol("in-flight table: a free slot in use".into()),
+                buf,
+            });
+        }
+        slot.op.get_or_insert_with(|| Pending {
             wr_id,
             desc,
             buf,
@@ -814,6 +823,14 @@ impl Tracker {
     /// is a plain one).
     pub fn recv_front(&self) -> Option<Token> {
         self.recv.front().map(|p| p.at.token)
+    }
+    /// The `i`-th posted receive (in post order).
+    pub fn recv_get(&self, i: usize) -> Option<Token> {
+        self.recv.get(i).map(|p| p.at.token)
+    }
+    /// Number of posted receives waiting.
+    pub fn recv_len(&self) -> usize {
+        self.recv.len()
     }
     /// Removes the front receive (the backend matched it to a message).
     pub fn recv_pop(&mut self) -> Option<Token> {

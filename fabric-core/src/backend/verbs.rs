@@ -6,32 +6,38 @@
 //! * Every region is registered with the connection's protection domain (remote access as
 //!   asked); its remote key carries the verbs `addr` and `rkey`. The NIC does the
 //!   target-side checks (rkey, bounds, access).
-//! * Operations map one to one: SEND / RECV, RDMA WRITE / READ, CAS / FAA; the tracker's
-//!   slot token is the `wr_id`.
-//! * Posting only enqueues: a post hands what the tracker queued to the queue pair and
-//!   returns (no CQ poll; completions are taken by `poll`, and `arm` routes what the CQ
-//!   holds before anyone sleeps). Several queued sends / one-sided operations go behind one
-//!   doorbell (`post_batch`, up to 32): what [`Transport::hold_posts`] held until
-//!   [`Transport::flush_posts`], or whatever queued up while the send queue was full. In
-//!   such a batch only every 16th work request and the last are signalled, and only
-//!   SEND and WRITE (with or without immediate) may go unsignalled (READs and atomics
-//!   keep their completions). A signalled completion retires, as successful, the
-//!   unsignalled ones posted before it (the connection keeps the posted tokens in post
-//!   order): RC send queues complete in order, so every operation still gets its own
-//!   completion, in post order. A work request that fails reports itself whether
-//!   signalled or not, so an error completion still names the failing operation (those
-//!   before it succeeded; the queue pair is then in the error state and the rest fail).
-//!   A single post is signalled and rings its own doorbell.
+//! * Operations map one to one: SEND / RECV, RDMA WRITE / READ, CAS / FAA. They are posted
+//!   through `ibverbs-safe`'s raw layer: the tracker owns every operation's buffer (and
+//!   through it the region's registration) until its completion is taken, so the safe
+//!   layer's own per-request bookkeeping would be a second copy of the same. The `wr_id`
+//!   carries the tracker's slot token, the queue and the connection's epoch (see
+//!   `raw_id`). A connection that fails moves its queue pair to the error state before
+//!   its buffers go back to the caller, and a dropped connection destroys its queue pair
+//!   before its tracker lets the buffers go.
+//! * Posting only enqueues: a post hands what the tracker queued to the queue pair and returns (no
+//!   CQ poll; completions are taken by `poll`, and `arm` routes what the CQ holds before anyone
+//!   sleeps). Several queued sends / one-sided operations go behind one doorbell (one chain of up
+//!   to 32 work requests; receives likewise): what [`Transport::hold_posts`] held until
+//!   [`Transport::flush_posts`], or whatever queued up while the send queue was full. In such a
+//!   batch only every 16th work request and the last are signalled, and only SEND and WRITE (with
+//!   or without immediate) may go unsignalled (READs and atomics keep their completions). A
+//!   signalled completion retires, as successful, the unsignalled ones posted before it (the
+//!   connection keeps the posted tokens in post order): RC send queues complete in order, so every
+//!   operation still gets its own completion, in post order. A work request that fails reports
+//!   itself whether signalled or not, so an error completion still names the failing operation
+//!   (those before it succeeded; the queue pair is then in the error state and the rest fail). A
+//!   single post is signalled and rings its own doorbell.
 //! * One CQ for many connections: the queue pairs of a domain share a completion queue and
 //!   its channel (a `Hub`; another one only once a CQ's entries — `max_cqe`, at most
 //!   65,536 — are all reserved, each queue pair reserving its depth). Whoever polls it
 //!   hands completions of other queue pairs to their mailbox (by `qp_num`; late flushes of
-//!   destroyed queue pairs are recognised and dropped). A [`Worker`](crate::Worker) watches
-//!   each shared CQ once (its channel, and an eventfd for completions another connection
-//!   polled) and wakes exactly the endpoints that got work; an endpoint it holds costs a
-//!   queue pair and its side socket. A connection used alone waits on an epoll of the
-//!   channel, its socket and its own eventfd, made on first need. The lock around the CQ
-//!   is uncontended unless connections of one domain are polled from several threads.
+//!   destroyed queue pairs are recognised by their epoch and dropped). A
+//!   [`Worker`](crate::Worker) watches each shared CQ once (its channel, and an eventfd
+//!   for completions another connection polled) and wakes exactly the endpoints that got
+//!   work; an endpoint it holds costs a queue pair and its side socket. A connection used
+//!   alone waits on an epoll of the channel, its socket and its own eventfd, made on first
+//!   need. The lock around the CQ is uncontended unless connections of one domain are
+//!   polled from several threads.
 //! * One receive queue for many connections (eager mode with
 //!   [`Options::verbs_srq_buffers`]): the domain makes one shared receive queue (SRQ) with
 //!   that many bounce buffers, registered once, and every queue pair of the domain (of
@@ -1654,7 +1660,9 @@ fn post_bounce(qp: &mut ib::QueuePair<ib::Rc>, e: &Eager, i: usize) -> Result<()
             "eager buffer of the shared receive queue".into(),
         ));
     };
-    let b = backing_of(rx).ok_or(Error::Foreign("eager buffers without a registration"))?;
+    let Some(b) = backing_of(rx) else {
+        return Err(Error::Foreign("eager buffers without a registration"));
+    };
     let slice = b
         .full
         .slice(i * e.size..(i + 1) * e.size)
@@ -1821,6 +1829,10 @@ struct Doorbell {
     wrs: Vec<ibv_send_wr>,
     /// Their scatter entries, two per request.
     sges: Vec<ibv_sge>,
+    /// [`ib::MAX_BATCH`] receive requests.
+    rwrs: Vec<ibv_recv_wr>,
+    /// Their scatter entries, one per request.
+    rsges: Vec<ibv_sge>,
 }
 
 // SAFETY: the raw pointers in the requests point only into the doorbell's own vectors
@@ -1837,6 +1849,15 @@ impl Doorbell {
         Doorbell {
             wrs: vec![ib::raw::send_wr(); ib::MAX_BATCH],
             sges: vec![sge; 2 * ib::MAX_BATCH],
+            rwrs: (0..ib::MAX_BATCH)
+                .map(|_| ibv_recv_wr {
+                    wr_id: 1,
+                    next: std::ptr::null_mut(),
+                    sg_list: std::ptr::null_mut(),
+                    num_sge: 1,
+                })
+                .collect(),
+            rsges: vec![sge; ib::MAX_BATCH],
         }
     }
 }
@@ -1902,8 +1923,10 @@ impl VerbsHal {
     /// (host address, or a DMA-BUF registration's I/O virtual address).
     #[inline(always)]
     fn sge(p: &Op) -> Result<ibv_sge> {
-        let b = backing_of(p.buf.region())
-            .ok_or(Error::Foreign("buffer without a verbs registration"))?;
+        // (`let else`: an `ok_or` would build and drop the error on every call.)
+        let Some(b) = backing_of(p.buf.region()) else {
+            return Err(Error::Foreign("buffer without a verbs registration"));
+        };
         Ok(ibv_sge {
             addr: b.full.addr() + p.buf.offset() as u64,
             // At most max_message (2^30): the tracker checked it.
@@ -2032,12 +2055,66 @@ impl VerbsHal {
         unsafe { self.qp.post_send_raw(&mut *wrs) }
     }
 
+    /// Posts `rwrs[..n]` (their ids and scatter entries filled) in one call.
+    fn ring_recv(&mut self, n: usize) -> std::result::Result<(), ib::Error> {
+        debug_assert!(n >= 1 && n <= self.db.rwrs.len());
+        let wrs = self.db.rwrs.as_mut_ptr();
+        let sges = self.db.rsges.as_mut_ptr();
+        for k in 0..n {
+            // SAFETY: `k < n <= rwrs.len() == rsges.len()`; the vectors are never resized.
+            unsafe {
+                let w = &mut *wrs.add(k);
+                w.sg_list = sges.add(k);
+                w.num_sge = 1;
+                w.next = if k + 1 < n {
+                    wrs.add(k + 1)
+                } else {
+                    std::ptr::null_mut()
+                };
+            }
+        }
+        // SAFETY: a NULL-terminated chain of receive requests with odd ids, one scatter
+        // entry each, for buffers the tracker validated and owns until the completion is
+        // taken or the connection failed (see `ring`); their completions come back through
+        // the hub's poll. The receive queue has room: every posted receive is a live
+        // tracker slot, and the tracker has at most the queue's depth.
+        unsafe { self.qp.post_recv_raw(&mut *wrs) }
+    }
+
+    /// Posts up to MAX_BATCH of the tracker's waiting receives in one call (kept out of
+    /// line, as `post_many`).
+    #[inline(never)]
+    fn post_recvs(&mut self, t: &mut Tracker) -> Result<()> {
+        let n = t.recv_len().min(ib::MAX_BATCH);
+        for i in 0..n {
+            let Some(token) = t.recv_get(i) else {
+                return Err(Error::Protocol("verbs receive queue shrank".into()));
+            };
+            self.db.rsges[i] = Self::sge(t.live(token, "verbs receive")?)?;
+            self.db.rwrs[i].wr_id = raw_id::encode(token, true, self.seat.epoch);
+        }
+        self.ring_recv(n)
+            .map_err(|e| Error::Protocol(format!("post_recv ({n} requests): {e}")))?;
+        for _ in 0..n {
+            t.recv_pop();
+        }
+        Ok(())
+    }
+
     fn submit(&mut self, t: &mut Tracker) -> Result<bool> {
         let mut moved = false;
         if let Some(e) = self.eager.as_mut() {
             moved |= run_held(t, e, &mut self.qp)?;
         }
-        while let Some(token) = t.recv_front().filter(|_| self.eager.is_none()) {
+        // Receives (without eager mode they go straight to the caller's buffers): one
+        // alone by itself, more in chains of up to MAX_BATCH per call.
+        while self.eager.is_none() && t.recv_len() > 0 {
+            if t.recv_len() > 1 {
+                self.post_recvs(t)?;
+                moved = true;
+                continue;
+            }
+            let Some(token) = t.recv_front() else { break };
             let mut sge = Self::sge(t.live(token, "verbs receive")?)?;
             let mut wr = ibv_recv_wr {
                 wr_id: raw_id::encode(token, true, self.seat.epoch),
@@ -2045,18 +2122,11 @@ impl VerbsHal {
                 sg_list: &mut sge,
                 num_sge: 1,
             };
-            // SAFETY: one request with an odd id and one scatter entry, for a buffer the
-            // tracker validated and owns until the completion is taken or the connection
-            // failed (see `ring`); its completion comes back through the hub's poll. The
-            // receive queue has room: every posted receive is a live tracker slot, and the
-            // tracker has at most the queue's depth.
-            match unsafe { self.qp.post_recv_raw(&mut wr) } {
-                Ok(()) => {
-                    t.recv_pop();
-                    moved = true;
-                }
-                Err(e) => return Err(Error::Protocol(format!("post_recv: {e}"))),
-            }
+            // SAFETY: as in `ring_recv`, for a chain of one.
+            unsafe { self.qp.post_recv_raw(&mut wr) }
+                .map_err(|e| Error::Protocol(format!("post_recv: {e}")))?;
+            t.recv_pop();
+            moved = true;
         }
         if !t.has_submissions() {
             return Ok(moved);
@@ -2179,7 +2249,9 @@ impl VerbsHal {
 fn header(e: &Eager, token: Token, tag: u64) -> Result<ibv_sge> {
     let at = (token.0 & u64::from(u32::MAX)) as usize * TAG_HEADER;
     e.hdr.write_at(at, &tag.to_le_bytes())?;
-    let b = backing_of(&e.hdr).ok_or(Error::Foreign("tag headers without a registration"))?;
+    let Some(b) = backing_of(&e.hdr) else {
+        return Err(Error::Foreign("tag headers without a registration"));
+    };
     Ok(ibv_sge {
         addr: b.full.addr() + at as u64,
         length: TAG_HEADER as u32,
