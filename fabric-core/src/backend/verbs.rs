@@ -301,6 +301,9 @@ const CQ_DEPTH: u32 = 1024;
 const HUB_CQE: u32 = 1 << 16;
 /// Idle polls between two checks of the side-channel socket.
 const CHECK_EVERY: u32 = 1024;
+/// How long, after the peer hung up, posted sends may still complete (their acknowledgements
+/// can reach the CQ after the peer's exit was seen).
+const HANGUP_GRACE: std::time::Duration = std::time::Duration::from_millis(50);
 /// At most this many work requests in a row go unsignalled in one doorbell.
 const SIGNAL_EVERY: usize = 16;
 
@@ -2486,7 +2489,20 @@ impl VerbsHal {
             if self.idle >= CHECK_EVERY {
                 self.idle = 0;
                 if sys::peer_hung_up(self.sock.as_fd()) {
-                    while self.reap(t)? {}
+                    // A peer that received our last sends and left at once: their
+                    // acknowledgements may still be on the way to our CQ (the peer's exit
+                    // can overtake them). Give posted sends a short grace to complete as
+                    // they did before they are failed.
+                    let until = Instant::now() + HANGUP_GRACE;
+                    loop {
+                        let got = self.reap(t)?;
+                        if !got && (self.sq.is_empty() || Instant::now() >= until) {
+                            break;
+                        }
+                        if !got {
+                            std::thread::yield_now();
+                        }
+                    }
                     let _ = self.qp.set_error();
                     t.fail_all(Status::PeerGone, "verbs peer hung up (side channel closed)");
                     if let Some(e) = self.eager.as_mut() {
