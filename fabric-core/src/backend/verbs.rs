@@ -1832,7 +1832,7 @@ struct Doorbell {
     wrs: Vec<ibv_send_wr>,
     /// Their scatter entries, two per request.
     sges: Vec<ibv_sge>,
-    /// [`ib::MAX_BATCH`] receive requests.
+    /// [`ib::MAX_BATCH`] receive requests (one scatter entry each, set here once).
     rwrs: Vec<ibv_recv_wr>,
     /// Their scatter entries, one per request.
     rsges: Vec<ibv_sge>,
@@ -2029,6 +2029,16 @@ impl VerbsHal {
     }
 
     /// Rings one doorbell for `wrs[..n]` (filled by [`fill`](Self::fill)).
+    ///
+    /// Why the raw post is sound (its contract, point by point): (1) `wrs[..n]` is linked
+    /// here into a NULL-terminated chain of requests `fill` built for this RC queue pair
+    /// (valid opcodes, odd ids), each naming its scatter entries in `sges`. (2) Every entry
+    /// names a buffer the tracker validated as this domain's (one protection domain) and
+    /// within its region; the tracker owns that buffer, and through it the region and its
+    /// registration, until the operation's completion is taken or the connection failed
+    /// (then the queue pair is in the error state, and dropping a connection destroys its
+    /// queue pair before its tracker); the caller cannot touch the buffer meanwhile.
+    /// (3) Completions come back through the hub's `CompletionQueue::poll`, by raw id.
     fn ring(&mut self, n: usize) -> std::result::Result<(), ib::Error> {
         debug_assert!(n >= 1 && n <= self.db.wrs.len());
         let wrs = self.db.wrs.as_mut_ptr();
@@ -2046,19 +2056,17 @@ impl VerbsHal {
                 };
             }
         }
-        // SAFETY: (1) `wrs[..n]` is a NULL-terminated chain of requests built by `fill`
-        // for this RC queue pair (valid opcodes, odd ids), each naming its scatter entries
-        // in `sges`. (2) Every entry names a buffer the tracker validated as this domain's
-        // (one protection domain) and within its region; the tracker owns that buffer,
-        // and through it the region and its registration, until the operation's completion
-        // is taken or the connection failed (then the queue pair is in the error state, and
-        // dropping a connection destroys its queue pair before its tracker); the caller
-        // cannot touch the buffer meanwhile. (3) Completions come back through the hub's
-        // `CompletionQueue::poll`, by their raw ids.
+        // SAFETY: a valid chain of this queue pair's requests on tracker-owned buffers,
+        // completed through the hub's poll (the contract, point by point: the doc above).
         unsafe { self.qp.post_send_raw(&mut *wrs) }
     }
 
-    /// Posts `rwrs[..n]` (their ids and scatter entries filled) in one call.
+    /// Posts `rwrs[..n]` (their ids and scatter entries filled) in one call: a chain of
+    /// receive requests with odd ids, one scatter entry each, for buffers the tracker
+    /// validated and owns until the completion is taken or the connection failed (as in
+    /// [`ring`](Self::ring)); their completions come back through the hub's poll. The
+    /// receive queue has room: every posted receive is a live tracker slot, and the tracker
+    /// has at most the queue's depth.
     fn ring_recv(&mut self, n: usize) -> std::result::Result<(), ib::Error> {
         debug_assert!(n >= 1 && n <= self.db.rwrs.len());
         let wrs = self.db.rwrs.as_mut_ptr();
@@ -2068,7 +2076,6 @@ impl VerbsHal {
             unsafe {
                 let w = &mut *wrs.add(k);
                 w.sg_list = sges.add(k);
-                w.num_sge = 1;
                 w.next = if k + 1 < n {
                     wrs.add(k + 1)
                 } else {
@@ -2076,11 +2083,8 @@ impl VerbsHal {
                 };
             }
         }
-        // SAFETY: a NULL-terminated chain of receive requests with odd ids, one scatter
-        // entry each, for buffers the tracker validated and owns until the completion is
-        // taken or the connection failed (see `ring`); their completions come back through
-        // the hub's poll. The receive queue has room: every posted receive is a live
-        // tracker slot, and the tracker has at most the queue's depth.
+        // SAFETY: a valid chain of receives on tracker-owned buffers, with room in the
+        // queue (the contract, point by point: the doc above).
         unsafe { self.qp.post_recv_raw(&mut *wrs) }
     }
 
