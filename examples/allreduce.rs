@@ -100,7 +100,7 @@ struct Args {
     /// Largest message for recursive doubling.
     #[arg(long, default_value_t = 32 << 10)]
     rd_max_bytes: usize,
-    /// Ring pipeline chunk (default: 128 KiB for the write ring, 256 KiB for the send ring
+    /// Ring pipeline chunk (default: 512 KiB for the write ring, 256 KiB for the send ring
     /// except over tcp; over tcp the send ring moves a segment (the vector / ranks) of up to
     /// 512 KiB in chunks of up to 256 KiB and larger segments in 64 KiB chunks, which took
     /// 4-16 MiB vectors faster than larger chunks (BENCHMARKS)). Given, it holds for every
@@ -1944,7 +1944,7 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, oversubscribed: bool) 
         );
     }
     let default_chunk = match (rs_write, kind) {
-        (true, _) => 128 << 10,
+        (true, _) => 512 << 10,
         (false, TransportKind::Tcp) => 64 << 10,
         (false, _) => 256 << 10,
     };
