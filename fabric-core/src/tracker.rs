@@ -215,6 +215,19 @@ struct Slot {
     op: Option<Pending>,
 }
 
+/// What [`Tracker::finish`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// Written into the caller's completion; the slot is free.
+    Taken,
+    /// Queued for [`Tracker::take`].
+    Queued,
+    /// A grouped receive: not finished (see [`Tracker::complete_recv`]).
+    Grouped,
+    /// No live, unfinished operation behind the token.
+    Stale,
+}
+
 /// The shared bookkeeping of one connection.
 #[derive(Debug)]
 pub struct Tracker {
@@ -505,27 +518,36 @@ impl Tracker {
 
     /// A receive (part) starts matching: the oldest queued unexpected message that matches
     /// is its (now, or when its last byte arrives); else it waits in post order.
+    #[inline]
     fn enqueue_recv(&mut self, at: RecvRef, tag: u64, mask: u64) {
         if !self.unexpected.is_empty() {
-            let hit = self
-                .unexpected
-                .iter()
-                .position(|u| u.bound.is_none() && tag_matches(u.tag, tag, mask));
-            if let Some(i) = hit {
-                if self.unexpected[i].complete {
-                    if let Some(u) = self.unexpected.remove(i) {
-                        self.unexpected_bytes -= u.data.len();
-                        self.deliver(&u, at);
-                    }
-                } else {
-                    self.unexpected[i].bound = Some(at);
-                }
-                return;
-            }
+            self.enqueue_recv_unexpected(at, tag, mask);
+            return;
         }
         // Capacity equals the slot count; only grouped receives (which allocate anyway)
         // can make it grow.
         self.recv.push_back(Posted { at, tag, mask });
+    }
+
+    /// [`enqueue_recv`](Self::enqueue_recv) while unexpected messages wait.
+    #[inline(never)]
+    fn enqueue_recv_unexpected(&mut self, at: RecvRef, tag: u64, mask: u64) {
+        let hit = self
+            .unexpected
+            .iter()
+            .position(|u| u.bound.is_none() && tag_matches(u.tag, tag, mask));
+        let Some(i) = hit else {
+            self.recv.push_back(Posted { at, tag, mask });
+            return;
+        };
+        if self.unexpected[i].complete {
+            if let Some(u) = self.unexpected.remove(i) {
+                self.unexpected_bytes -= u.data.len();
+                self.deliver(&u, at);
+            }
+        } else {
+            self.unexpected[i].bound = Some(at);
+        }
     }
 
     /// Hands a queued unexpected message to the receive `at`.
@@ -929,48 +951,117 @@ impl Tracker {
             let Some(t) = self.ready.pop_front() else {
                 break;
             };
-            let slot = &mut self.slots[t.idx()];
-            // Only the fields the completion needs leave the slot (not the whole `Pending`).
-            let Some(Pending {
-                wr_id,
-                buf,
-                tag,
-                imm,
-                kind,
-                status,
-                len,
-                value,
-                parts,
-                ..
-            }) = slot.op.take()
+            let idx = t.idx();
+            let Some((status, len, value)) = self.slots[idx]
+                .op
+                .as_ref()
+                .map(|p| (p.status, p.len, p.value))
             else {
                 continue;
             };
-            slot.gen = slot.gen.wrapping_add(1) & ((1 << GEN_BITS) - 1);
-            self.free.push(t.idx() as u32);
-            self.live -= 1;
-            // Written field by field over the caller's old completion (whatever it still
-            // holds is dropped here, as an assignment of the whole would).
-            let c = &mut out[n];
-            c.wr_id = wr_id;
-            c.op = kind;
-            c.status = status;
-            c.len = len;
-            c.value = value;
-            c.tag = tag;
-            c.imm = imm;
-            if parts.is_empty() {
-                c.buf = Some(buf);
-                if !c.parts.is_empty() {
-                    c.parts = Vec::new();
-                }
-            } else {
-                c.buf = None;
-                c.parts = group_parts(buf, status, parts);
-            }
+            self.retire(idx, &mut out[n], status, len, value);
             n += 1;
         }
         n
+    }
+
+    /// Moves the operation in slot `idx` out into `c` with the given result and frees the
+    /// slot (its generation moves on: the token is stale from now on). Does nothing for an
+    /// empty slot.
+    #[inline(always)]
+    fn retire(&mut self, idx: usize, c: &mut Completion, status: Status, len: usize, value: u64) {
+        let slot = &mut self.slots[idx];
+        // Only the fields the completion needs leave the slot (not the whole `Pending`).
+        let Some(Pending {
+            wr_id,
+            buf,
+            tag,
+            imm,
+            kind,
+            parts,
+            ..
+        }) = slot.op.take()
+        else {
+            return;
+        };
+        slot.gen = slot.gen.wrapping_add(1) & ((1 << GEN_BITS) - 1);
+        self.free.push(idx as u32);
+        self.live -= 1;
+        // Written field by field over the caller's old completion (whatever it still
+        // holds is dropped here, as an assignment of the whole would).
+        c.wr_id = wr_id;
+        c.op = kind;
+        c.status = status;
+        c.len = len;
+        c.value = value;
+        c.tag = tag;
+        c.imm = imm;
+        if parts.capacity() == 0 {
+            // (An operation that is not a grouped receive has no parts and no allocation:
+            // nothing to drop, and no call to the vector's out-of-line drop.)
+            std::mem::forget(parts);
+            c.buf = Some(buf);
+            if !c.parts.is_empty() {
+                c.parts = Vec::new();
+            }
+        } else {
+            c.buf = None;
+            c.parts = group_parts(buf, status, parts);
+        }
+    }
+
+    /// Finishes the live operation behind `token` (one lookup), for a backend whose
+    /// completion source says only which operation ended and how: `len_value` gives the
+    /// completion's length and value from the operation, and a receive takes `imm`.
+    ///
+    /// With `into`, the completion is written there at once and the slot freed (what
+    /// [`complete`](Self::complete) and then [`take`](Self::take) do, without the ready
+    /// queue). Only when nothing waits in the ready queue: completions are handed out in
+    /// the order they finished, so the caller checks [`ready_len`](Self::ready_len) is 0
+    /// (else this queues it, as without `into`).
+    ///
+    /// A grouped receive is not finished here ([`Finish::Grouped`]: one part filled, use
+    /// [`complete_recv`](Self::complete_recv)).
+    #[inline(always)]
+    pub fn finish(
+        &mut self,
+        token: Token,
+        status: Status,
+        imm: Option<u32>,
+        len_value: impl FnOnce(&Pending) -> (usize, u64),
+        into: Option<&mut Completion>,
+    ) -> Finish {
+        let idx = token.idx();
+        let Some(slot) = self.slots.get_mut(idx) else {
+            return Finish::Stale;
+        };
+        if slot.gen != token.gen() {
+            return Finish::Stale;
+        }
+        let Some(p) = slot.op.as_mut().filter(|p| !p.done) else {
+            return Finish::Stale;
+        };
+        if !p.parts.is_empty() {
+            return Finish::Grouped;
+        }
+        let (len, value) = len_value(p);
+        if p.desc == OpDesc::Recv {
+            p.imm = imm;
+        }
+        match into {
+            Some(c) if self.ready.is_empty() => {
+                self.retire(idx, c, status, len, value);
+                Finish::Taken
+            }
+            _ => {
+                p.done = true;
+                p.status = status;
+                p.len = len;
+                p.value = value;
+                self.ready.push_back(token);
+                Finish::Queued
+            }
+        }
     }
 
     /// Finished operations waiting for `take`.
@@ -1319,6 +1410,56 @@ mod tests {
         .unwrap();
         t.add_region(r.clone());
         r
+    }
+
+    #[test]
+    fn finish_writes_straight_into_the_completion_only_behind_an_empty_ready_queue() {
+        let mut t = Tracker::new(1, TransportKind::Tcp, caps(8));
+        let r = region(&mut t, 64, Access::empty());
+        let s1 = t.post(OpDesc::Send, r.slice(0, 8).unwrap(), 1).unwrap();
+        let s2 = t.post(OpDesc::Send, r.slice(8, 8).unwrap(), 2).unwrap();
+        let rv = t.post(OpDesc::Recv, r.slice(16, 16).unwrap(), 3).unwrap();
+        let len = |p: &Pending| (p.buf.len(), 0);
+        let mut c = Completion::default();
+        // One finished the usual way waits in the ready queue: the next may not overtake
+        // it, so it is queued behind it even when offered a completion.
+        assert!(t.complete(s1, Status::Success, 8, 0));
+        assert_eq!(
+            t.finish(s2, Status::Success, None, len, Some(&mut c)),
+            Finish::Queued
+        );
+        assert!(c.buf.is_none(), "nothing written");
+        let got = drain(&mut t);
+        assert_eq!(got.iter().map(|c| c.wr_id).collect::<Vec<_>>(), [1, 2]);
+        // Behind an empty queue: written at once, the slot freed, the token stale.
+        assert_eq!(t.in_flight(), 1);
+        let r9 = |_: &Pending| (9, 0);
+        assert_eq!(
+            t.finish(rv, Status::Success, Some(7), r9, Some(&mut c)),
+            Finish::Taken
+        );
+        assert_eq!((c.wr_id, c.op, c.len, c.imm), (3, OpKind::Recv, 9, Some(7)));
+        assert_eq!(
+            c.buf.as_ref().map(|b| (b.offset(), b.len())),
+            Some((16, 16))
+        );
+        assert_eq!(t.in_flight(), 0);
+        assert_eq!(
+            t.finish(rv, Status::Success, None, r9, Some(&mut c)),
+            Finish::Stale
+        );
+        assert!(drain(&mut t).is_empty());
+        // A grouped receive is left to `complete_recv`.
+        let parts = vec![
+            (r.slice(0, 8).unwrap(), 0, 0),
+            (r.slice(8, 8).unwrap(), 0, 0),
+        ];
+        let g = t.post_recv_group(parts, 4).unwrap();
+        assert_eq!(
+            t.finish(g, Status::Success, None, r9, Some(&mut c)),
+            Finish::Grouped
+        );
+        assert_eq!(t.in_flight(), 1);
     }
 
     #[test]

@@ -347,6 +347,19 @@ pub(crate) trait Hal: Send + fmt::Debug {
     }
     /// Moves queued operations and incoming data; reports completions to `t`.
     fn progress(&mut self, t: &mut Tracker) -> Result<()>;
+    /// [`progress`](Self::progress) for a `poll` into `out`: a backend may write
+    /// completions straight into `out[*n..]` (counting them in `n`) instead of queueing
+    /// them in `t`, as long as the order holds ([`Tracker::finish`]). The caller then takes
+    /// what `t` queued after them. On an error, `out[..*n]` still holds completions the
+    /// caller must hand out.
+    fn progress_into(
+        &mut self,
+        t: &mut Tracker,
+        _out: &mut [Completion],
+        _n: &mut usize,
+    ) -> Result<()> {
+        self.progress(t)
+    }
     /// What a post does right after the tracker queued it (`recv`: the post was a
     /// receive). The default is a full [`progress`](Self::progress) pass; a backend whose
     /// posts can start with less (only the new sends, or nothing for a receive) overrides
@@ -532,12 +545,14 @@ impl<H: Hal> Transport for Endpoint<H> {
     fn poll(&mut self, out: &mut [Completion]) -> Result<usize> {
         // A full pass starts whatever a hold kept back.
         self.held = false;
+        // Completions finished before this pass go first.
+        let mut n = self.t.take(out);
         if self.t.failure().is_none() {
-            if let Err(e) = self.h.progress(&mut self.t) {
+            if let Err(e) = self.h.progress_into(&mut self.t, out, &mut n) {
                 self.t.fail_all(crate::Status::ProtocolError, e.to_string());
             }
         }
-        Ok(self.t.take(out))
+        Ok(n + self.t.take(&mut out[n..]))
     }
     fn in_flight(&self) -> usize {
         self.t.in_flight()

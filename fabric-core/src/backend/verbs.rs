@@ -92,10 +92,10 @@ use crate::domain::{Domain, DomainBackend, MemorySupport, Registered};
 use crate::error::{Error, Result};
 use crate::region::{Access, Buf, Region};
 use crate::sys;
-use crate::tracker::{OpDesc, Pending as Op, Token, Tracker};
+use crate::tracker::{Finish, OpDesc, Pending as Op, Token, Tracker};
 use crate::transport::{
-    AtomicOp, Capabilities, MemoryKinds, MessageOrdering, PostError, PostResult, Status, Transport,
-    TransportKind,
+    AtomicOp, Capabilities, Completion, MemoryKinds, MessageOrdering, PostError, PostResult,
+    Status, Transport, TransportKind,
 };
 
 /// The registry entry.
@@ -2206,8 +2206,9 @@ impl VerbsHal {
     }
 
     /// Takes this connection's completions: those another connection routed to its
-    /// mailbox, then what the shared CQ holds (routing the others').
-    fn reap(&mut self, t: &mut Tracker) -> Result<bool> {
+    /// mailbox, then what the shared CQ holds (routing the others'). They go straight into
+    /// `out[*n..]` where they may ([`Tracker::finish`]), else to the tracker's ready queue.
+    fn reap(&mut self, t: &mut Tracker, out: &mut [Completion], n_out: &mut usize) -> Result<bool> {
         let me = (self.qp_num, self.seat.epoch);
         let VerbsHal {
             seat,
@@ -2219,9 +2220,10 @@ impl VerbsHal {
         let hub = &seat.hub;
         let mut st = hub.lock();
         let mut n = 0;
+        let mut sink = Sink { out, n: n_out };
         let mut on = |wc: Wc| match eager.as_mut() {
             Some(e) if wc.recv => on_bounce(t, e, qp, wc),
-            _ => complete(t, sq, wc),
+            _ => complete(t, sq, wc, &mut sink),
         };
         while let Some(wc) = st.demux.take(me.0) {
             on(wc);
@@ -2266,11 +2268,18 @@ fn header(e: &Eager, token: Token, tag: u64) -> Result<ibv_sge> {
     })
 }
 
+/// Where [`complete`] writes completions: the caller's `out[*n..]` of the `poll` running
+/// (empty outside a poll).
+struct Sink<'a> {
+    out: &'a mut [Completion],
+    n: &'a mut usize,
+}
+
 /// Hands one completion to the tracker. A send-queue completion first retires, as
 /// successful, the unsignalled work requests posted before it (`sq`, in post order: send
 /// queues complete in order, and a failing work request always reports itself, signalled
 /// or not).
-fn complete(t: &mut Tracker, sq: &mut VecDeque<Token>, wc: Wc) {
+fn complete(t: &mut Tracker, sq: &mut VecDeque<Token>, wc: Wc, sink: &mut Sink<'_>) {
     if !wc.raw {
         return; // (every operation's request is posted raw; eager buffers go elsewhere)
     }
@@ -2289,20 +2298,18 @@ fn complete(t: &mut Tracker, sq: &mut VecDeque<Token>, wc: Wc) {
                     status: ib::WcStatus::Success,
                     ..wc
                 },
+                sink,
             );
         }
     }
-    complete_one(t, token, wc);
+    complete_one(t, token, wc, sink);
 }
 
-/// Hands the completion `wc` of `token` to the tracker.
+/// Hands the completion `wc` of `token` to the tracker: into the sink when it has room.
 #[inline(always)]
-fn complete_one(t: &mut Tracker, token: Token, wc: Wc) {
+fn complete_one(t: &mut Tracker, token: Token, wc: Wc, sink: &mut Sink<'_>) {
     let status = map_status(wc.status);
-    let Some(p) = t.get(token) else {
-        return; // flushed after a local failure: already completed
-    };
-    let (len, value) = match p.desc {
+    let len_value = |p: &Op| match p.desc {
         OpDesc::Recv => (wc.byte_len as usize, 0),
         OpDesc::Atomic { .. } => (
             8,
@@ -2314,12 +2321,16 @@ fn complete_one(t: &mut Tracker, token: Token, wc: Wc) {
         ),
         _ => (p.buf.len(), 0),
     };
-    if p.desc == OpDesc::Recv {
-        // A write-imm notification completes a receive with its immediate.
-        let at = crate::tracker::RecvRef { token, part: 0 };
-        t.complete_recv(at, status, len, 0, wc.imm);
-    } else {
-        t.complete(token, status, len, value);
+    let into = sink.out.get_mut(*sink.n);
+    match t.finish(token, status, wc.imm, len_value, into) {
+        Finish::Taken => *sink.n += 1,
+        Finish::Queued => {}
+        Finish::Grouped => {
+            // A write-imm notification completes a receive with its immediate.
+            let at = crate::tracker::RecvRef { token, part: 0 };
+            t.complete_recv(at, status, wc.byte_len as usize, 0, wc.imm);
+        }
+        Finish::Stale => return, // flushed after a local failure: already completed
     }
     if !status.is_ok() && status != Status::MessageTooLong {
         // The QP is in the error state: everything else will flush.
@@ -2366,7 +2377,18 @@ impl Hal for VerbsHal {
     }
 
     fn progress(&mut self, t: &mut Tracker) -> Result<()> {
-        let r = self.progress_inner(t);
+        self.progress_into(t, &mut [], &mut 0)
+    }
+
+    /// Completions go straight into `out` while it has room and nothing waits in the
+    /// tracker's ready queue (see [`Tracker::finish`]).
+    fn progress_into(
+        &mut self,
+        t: &mut Tracker,
+        out: &mut [Completion],
+        n: &mut usize,
+    ) -> Result<()> {
+        let r = self.progress_inner(t, out, n);
         if r.is_err() {
             // The caller fails every operation and hands the buffers back: no request of
             // this queue pair may go on with them.
@@ -2468,7 +2490,12 @@ impl VerbsHal {
         self.eager.as_ref().is_some_and(|e| e.pool().is_some())
     }
 
-    fn progress_inner(&mut self, t: &mut Tracker) -> Result<()> {
+    fn progress_inner(
+        &mut self,
+        t: &mut Tracker,
+        out: &mut [Completion],
+        n: &mut usize,
+    ) -> Result<()> {
         if self.armed {
             self.unwatch();
             if self.attached.is_none() {
@@ -2483,7 +2510,7 @@ impl VerbsHal {
             self.idle = CHECK_EVERY - 1;
         }
         let mut moved = self.submit(t)?;
-        moved |= self.reap(t)?;
+        moved |= self.reap(t, out, n)?;
         if moved {
             self.idle = 0;
             // Completions may have freed queue entries.
@@ -2499,7 +2526,7 @@ impl VerbsHal {
                     // they did before they are failed.
                     let until = Instant::now() + HANGUP_GRACE;
                     loop {
-                        let got = self.reap(t)?;
+                        let got = self.reap(t, out, n)?;
                         if !got && (self.sq.is_empty() || Instant::now() >= until) {
                             break;
                         }
