@@ -284,6 +284,7 @@ impl Tracker {
     /// # Errors
     /// A [`PostError`] (with the buffer) when the post is invalid, the table is full
     /// ([`Error::WouldBlock`]) or the connection has failed ([`Error::Disconnected`]).
+    #[inline]
     pub fn post(&mut self, desc: OpDesc, buf: Buf, wr_id: u64) -> Result<Token, PostError> {
         // A plain receive has mask 0: it takes any message.
         self.post_with(desc, buf, wr_id, 0, 0, None)
@@ -441,6 +442,7 @@ impl Tracker {
         }
     }
 
+    #[inline(always)]
     fn post_with(
         &mut self,
         desc: OpDesc,
