@@ -74,6 +74,9 @@ pub(crate) struct Registered {
     pub(crate) backing: Option<Box<dyn std::any::Any + Send + Sync>>,
     /// Backend key for the peer (verbs rkey).
     pub(crate) rkey: u32,
+    /// Where the device finds byte 0 and the key it needs for local access (verbs: the
+    /// MR's address and lkey), read on every post without a downcast of `backing`.
+    pub(crate) local: Option<(u64, u32)>,
 }
 
 /// Where the bytes of a new registration come from.
@@ -593,6 +596,7 @@ impl Domain {
             fd,
             backing: reg.backing,
             rkey: reg.rkey,
+            local: reg.local,
             revoke: Some(revoke),
             device,
         });

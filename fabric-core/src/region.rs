@@ -125,6 +125,8 @@ pub(crate) struct RegionInner {
     pub(crate) backing: Option<Box<dyn std::any::Any + Send + Sync>>,
     /// Backend key a peer needs (verbs rkey); 0 elsewhere.
     pub(crate) rkey: u32,
+    /// The device's address of byte 0 and local key (verbs; see `Registered::local`).
+    pub(crate) local: Option<(u64, u32)>,
     /// The memfd behind a shared mapping (shm); `None` for anonymous or caller memory.
     pub(crate) fd: Option<Arc<OwnedFd>>,
     /// Device memory (cuda-ipc): then `mem` is a placeholder page and every byte access
@@ -182,6 +184,7 @@ pub(crate) struct Parts {
     pub(crate) fd: Option<Arc<OwnedFd>>,
     pub(crate) backing: Option<Box<dyn std::any::Any + Send + Sync>>,
     pub(crate) rkey: u32,
+    pub(crate) local: Option<(u64, u32)>,
     pub(crate) revoke: Option<Arc<dyn Revoke>>,
     /// Device memory (then `mem` is a placeholder).
     pub(crate) device: Option<Box<dyn DeviceBacking>>,
@@ -202,6 +205,7 @@ impl Region {
                 revoke: p.revoke,
                 backing: p.backing,
                 rkey: p.rkey,
+                local: p.local,
                 fd: p.fd,
                 device: p.device,
                 lend: Lend::new(),
@@ -242,6 +246,7 @@ impl Region {
             fd: None,
             backing: None,
             rkey: 0,
+            local: None,
             revoke: None,
             device: None,
         }))
@@ -507,6 +512,7 @@ impl Region {
             r.revoke(inner.id, inner.gen);
         }
         inner.backing = None;
+        inner.local = None;
         let keep = match &mut inner.mem {
             Memory::Caller { keep, .. } => keep.take(),
             _ => None,

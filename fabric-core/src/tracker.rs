@@ -852,6 +852,15 @@ impl Tracker {
     pub fn recv_get(&self, i: usize) -> Option<Token> {
         self.recv.get(i).map(|p| p.at.token)
     }
+    /// The first `n` posted receives (in post order), for a backend that takes several at
+    /// once.
+    pub fn recv_first(&self, n: usize) -> impl Iterator<Item = Token> + '_ {
+        self.recv.iter().take(n).map(|p| p.at.token)
+    }
+    /// Removes the first `n` posted receives (the backend took them).
+    pub fn recv_pop_n(&mut self, n: usize) {
+        self.recv.drain(..n.min(self.recv.len()));
+    }
     /// Number of posted receives waiting.
     pub fn recv_len(&self) -> usize {
         self.recv.len()

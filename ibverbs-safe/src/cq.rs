@@ -346,14 +346,17 @@ impl Completion {
     }
 
     /// Your id of the work request (given when posting).
+    #[inline]
     pub fn wr_id(&self) -> u64 {
         self.wr_id
     }
     /// The status.
+    #[inline]
     pub fn status(&self) -> WcStatus {
         WcStatus::from_raw(self.wc.status)
     }
     /// Whether the status is success.
+    #[inline]
     pub fn is_ok(&self) -> bool {
         self.wc.status == 0
     }
@@ -377,14 +380,17 @@ impl Completion {
         self.wc.vendor_err
     }
     /// Bytes received (receives, READ and atomics).
+    #[inline]
     pub fn byte_len(&self) -> u32 {
         self.wc.byte_len
     }
     /// Immediate data (host byte order), if the message carried one.
+    #[inline]
     pub fn imm(&self) -> Option<u32> {
         (self.wc.wc_flags & sys::IBV_WC_WITH_IMM != 0).then(|| u32::from_be(self.wc.imm_data))
     }
     /// The local QP number the completion belongs to.
+    #[inline]
     pub fn qp_num(&self) -> u32 {
         self.wc.qp_num
     }
@@ -401,6 +407,7 @@ impl Completion {
         self.wc.slid
     }
     /// Which queue it came from (`None` for work requests posted through the raw layer).
+    #[inline]
     pub fn queue(&self) -> Option<QueueKind> {
         self.queue
     }

@@ -293,6 +293,7 @@ macro_rules! wc_statuses {
 
         impl WcStatus {
             /// Maps the raw `ibv_wc_status`.
+            #[inline]
             pub fn from_raw(raw: u32) -> Self {
                 match raw {
                     $($n => WcStatus::$variant,)*

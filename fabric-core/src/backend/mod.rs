@@ -440,10 +440,15 @@ impl<H: Hal> Endpoint<H> {
 
     /// Starts what was just posted (latency; `recv`: a receive was posted); errors of
     /// the machinery become error completions.
+    #[inline]
     fn kick(&mut self, recv: bool) {
-        if self.held {
-            return;
+        if !self.held {
+            self.kick_now(recv);
         }
+    }
+
+    #[inline(never)]
+    fn kick_now(&mut self, recv: bool) {
         if let Err(e) = self.h.post_kick(&mut self.t, recv) {
             self.t.fail_all(crate::Status::ProtocolError, e.to_string());
         }

@@ -194,6 +194,7 @@ impl DomainBackend for VerbsDomain {
             .slice(..len.min(u32::MAX as usize))
             .map_err(|e| Error::Protocol(e.to_string()))?;
         Ok(Registered {
+            local: Some((full.addr(), full.lkey())),
             backing: Some(Box::new(Backing {
                 _mr: Box::new(mr),
                 full,
@@ -229,6 +230,7 @@ impl DomainBackend for VerbsDomain {
             .slice(..len.min(u32::MAX as usize))
             .map_err(|e| Error::Protocol(e.to_string()))?;
         Ok(Registered {
+            local: Some((full.addr(), full.lkey())),
             backing: Some(Box::new(Backing {
                 _mr: Box::new(mr),
                 full,
@@ -1926,15 +1928,17 @@ impl VerbsHal {
     /// (host address, or a DMA-BUF registration's I/O virtual address).
     #[inline(always)]
     fn sge(p: &Op) -> Result<ibv_sge> {
-        // (`let else`: an `ok_or` would build and drop the error on every call.)
-        let Some(b) = backing_of(p.buf.region()) else {
+        // (`let else`: an `ok_or` would build and drop the error on every call. The
+        // registration's address and key are plain fields of the region: no downcast of
+        // its backing per post.)
+        let Some((addr, lkey)) = p.buf.region().inner.local else {
             return Err(Error::Foreign("buffer without a verbs registration"));
         };
         Ok(ibv_sge {
-            addr: b.full.addr() + p.buf.offset() as u64,
+            addr: addr + p.buf.offset() as u64,
             // At most max_message (2^30): the tracker checked it.
             length: p.buf.len() as u32,
-            lkey: b.full.lkey(),
+            lkey,
         })
     }
 
@@ -2092,19 +2096,15 @@ impl VerbsHal {
     /// line, as `post_many`).
     #[inline(never)]
     fn post_recvs(&mut self, t: &mut Tracker) -> Result<()> {
+        // (`n` receives wait: the chain is filled in full.)
         let n = t.recv_len().min(ib::MAX_BATCH);
-        for i in 0..n {
-            let Some(token) = t.recv_get(i) else {
-                return Err(Error::Protocol("verbs receive queue shrank".into()));
-            };
+        for (i, token) in t.recv_first(n).enumerate() {
             self.db.rsges[i] = Self::sge(t.live(token, "verbs receive")?)?;
             self.db.rwrs[i].wr_id = raw_id::encode(token, true, self.seat.epoch);
         }
         self.ring_recv(n)
             .map_err(|e| Error::Protocol(format!("post_recv ({n} requests): {e}")))?;
-        for _ in 0..n {
-            t.recv_pop();
-        }
+        t.recv_pop_n(n);
         Ok(())
     }
 
@@ -2258,13 +2258,13 @@ impl VerbsHal {
 fn header(e: &Eager, token: Token, tag: u64) -> Result<ibv_sge> {
     let at = (token.0 & u64::from(u32::MAX)) as usize * TAG_HEADER;
     e.hdr.write_at(at, &tag.to_le_bytes())?;
-    let Some(b) = backing_of(&e.hdr) else {
+    let Some((addr, lkey)) = e.hdr.inner.local else {
         return Err(Error::Foreign("tag headers without a registration"));
     };
     Ok(ibv_sge {
-        addr: b.full.addr() + at as u64,
+        addr: addr + at as u64,
         length: TAG_HEADER as u32,
-        lkey: b.full.lkey(),
+        lkey,
     })
 }
 
