@@ -848,10 +848,6 @@ impl Tracker {
     pub fn recv_front(&self) -> Option<Token> {
         self.recv.front().map(|p| p.at.token)
     }
-    /// The `i`-th posted receive (in post order).
-    pub fn recv_get(&self, i: usize) -> Option<Token> {
-        self.recv.get(i).map(|p| p.at.token)
-    }
     /// The first `n` posted receives (in post order), for a backend that takes several at
     /// once.
     pub fn recv_first(&self, n: usize) -> impl Iterator<Item = Token> + '_ {

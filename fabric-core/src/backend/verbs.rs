@@ -2326,7 +2326,8 @@ fn complete_one(t: &mut Tracker, token: Token, wc: Wc, sink: &mut Sink<'_>) {
         Finish::Taken => *sink.n += 1,
         Finish::Queued => {}
         Finish::Grouped => {
-            // A write-imm notification completes a receive with its immediate.
+            // A grouped receive: the message (or a write-imm notification, with its
+            // immediate) fills its first part.
             let at = crate::tracker::RecvRef { token, part: 0 };
             t.complete_recv(at, status, wc.byte_len as usize, 0, wc.imm);
         }
