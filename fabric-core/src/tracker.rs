@@ -241,7 +241,6 @@ pub struct Tracker {
     ready: VecDeque<Token>,
     unexpected: VecDeque<Unexpected>,
     unexpected_bytes: usize,
-    live: usize,
     failed: Option<(Status, String)>,
     regions: Vec<Option<Region>>,
 }
@@ -263,7 +262,6 @@ impl Tracker {
             ready: VecDeque::with_capacity(n),
             unexpected: VecDeque::new(),
             unexpected_bytes: 0,
-            live: 0,
             failed: None,
             regions: Vec::new(),
         }
@@ -380,7 +378,7 @@ impl Tracker {
             return Err(fail(e, parts));
         }
         for (b, _, _) in &parts {
-            if let Err(e) = self.validate(&OpDesc::Recv, b) {
+            if let Err(e) = self.validate(OpDesc::Recv, b) {
                 return Err(fail(e, parts));
             }
         }
@@ -452,7 +450,7 @@ impl Tracker {
         mask: u64,
         imm: Option<u32>,
     ) -> Result<Token, PostError> {
-        if let Err(error) = self.validate(&desc, &buf) {
+        if let Err(error) = self.validate(desc, &buf) {
             return Err(PostError { error, buf });
         }
         let kind = match (desc, imm) {
@@ -514,7 +512,6 @@ impl Tracker {
             parts: Vec::new(),
             parts_left: 0,
         });
-        self.live += 1;
         Ok(token)
     }
 
@@ -753,7 +750,7 @@ impl Tracker {
     /// Checks a post. Sends and receives (the hot path) take the inline checks; one-sided
     /// operations go out of line.
     #[inline]
-    fn validate(&self, desc: &OpDesc, buf: &Buf) -> Result<(), Error> {
+    fn validate(&self, desc: OpDesc, buf: &Buf) -> Result<(), Error> {
         if matches!(desc, OpDesc::Send | OpDesc::Recv)
             && self.failed.is_none()
             && buf.region().inner.owner == self.owner
@@ -761,7 +758,7 @@ impl Tracker {
         {
             return Ok(());
         }
-        self.validate_slow(desc, buf)
+        self.validate_slow(&desc, buf)
     }
 
     #[inline(never)]
@@ -993,7 +990,6 @@ impl Tracker {
         };
         slot.gen = slot.gen.wrapping_add(1) & ((1 << GEN_BITS) - 1);
         self.free.push(idx as u32);
-        self.live -= 1;
         // Written field by field over the caller's old completion (whatever it still
         // holds is dropped here, as an assignment of the whole would).
         c.wr_id = wr_id;
@@ -1078,7 +1074,8 @@ impl Tracker {
 
     /// Operations posted and not yet taken.
     pub fn in_flight(&self) -> usize {
-        self.live
+        // (Every slot is free or holds an operation: no counter to keep per post.)
+        self.slots.len() - self.free.len()
     }
 
     /// The failure recorded by [`fail_all`](Self::fail_all), if any.

@@ -431,6 +431,7 @@ impl<H: Hal> Endpoint<H> {
         Ok(buf)
     }
 
+    #[inline(always)]
     fn post(&mut self, desc: OpDesc, buf: Buf, wr_id: u64) -> PostResult {
         let recv = matches!(desc, OpDesc::Recv);
         self.t.post(desc, buf, wr_id)?;
