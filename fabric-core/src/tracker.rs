@@ -172,6 +172,14 @@ struct Unexpected {
     bound: Option<RecvRef>,
 }
 
+/// The error of a backend's token that names no live operation (out of line: the hot
+/// paths only test for it).
+#[cold]
+#[inline(never)]
+fn not_live(what: &'static str) -> Error {
+    Error::Protocol(format!("{what}: no live operation"))
+}
+
 /// Whether a message tagged `msg` matches a receive `(tag, mask)`.
 #[inline]
 pub fn tag_matches(msg: u64, tag: u64, mask: u64) -> bool {
@@ -890,18 +898,24 @@ impl Tracker {
     ///
     /// # Errors
     /// [`Error::Protocol`] naming `what` for an unknown, stale or finished token.
+    #[inline]
     pub fn live(&self, token: Token, what: &'static str) -> Result<&Pending, Error> {
-        self.get(token)
-            .ok_or_else(|| Error::Protocol(format!("{what}: no live operation")))
+        match self.get(token) {
+            Some(p) => Ok(p),
+            None => Err(not_live(what)),
+        }
     }
 
     /// [`get_mut`](Self::get_mut) as a typed error (see [`live`](Self::live)).
     ///
     /// # Errors
     /// [`Error::Protocol`] naming `what` for an unknown, stale or finished token.
+    #[inline]
     pub fn live_mut(&mut self, token: Token, what: &'static str) -> Result<&mut Pending, Error> {
-        self.get_mut(token)
-            .ok_or_else(|| Error::Protocol(format!("{what}: no live operation")))
+        match self.get_mut(token) {
+            Some(p) => Ok(p),
+            None => Err(not_live(what)),
+        }
     }
 
     /// Records that the operation behind `token` was sent to the peer in full and now

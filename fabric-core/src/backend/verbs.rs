@@ -1827,14 +1827,17 @@ impl Lone {
     }
 }
 
-/// The work requests of one doorbell, reused (never resized: the links between them and to
-/// their scatter entries are set right before each post).
+/// The work requests of one doorbell, reused. The vectors are never resized, so their
+/// heap memory stays put: the links between the requests and to their scatter entries are
+/// set once, here, with pointers from `as_mut_ptr` (no reference to the elements is
+/// made), and each post only cuts the chain after its last request (see
+/// [`VerbsHal::ring`]).
 struct Doorbell {
-    /// [`ib::MAX_BATCH`] requests.
+    /// [`ib::MAX_BATCH`] requests, each linked to the next and to its two scatter entries.
     wrs: Vec<ibv_send_wr>,
     /// Their scatter entries, two per request.
     sges: Vec<ibv_sge>,
-    /// [`ib::MAX_BATCH`] receive requests (one scatter entry each, set here once).
+    /// [`ib::MAX_BATCH`] receive requests, each linked to the next and to its scatter entry.
     rwrs: Vec<ibv_recv_wr>,
     /// Their scatter entries, one per request.
     rsges: Vec<ibv_sge>,
@@ -1851,7 +1854,7 @@ impl Doorbell {
             length: 0,
             lkey: 0,
         };
-        Doorbell {
+        let mut db = Doorbell {
             wrs: vec![ib::raw::send_wr(); ib::MAX_BATCH],
             sges: vec![sge; 2 * ib::MAX_BATCH],
             rwrs: (0..ib::MAX_BATCH)
@@ -1863,7 +1866,24 @@ impl Doorbell {
                 })
                 .collect(),
             rsges: vec![sge; ib::MAX_BATCH],
+        };
+        let n = ib::MAX_BATCH;
+        let (wrs, sges) = (db.wrs.as_mut_ptr(), db.sges.as_mut_ptr());
+        let (rwrs, rsges) = (db.rwrs.as_mut_ptr(), db.rsges.as_mut_ptr());
+        for k in 0..n {
+            // SAFETY: `k < n`, the length of `wrs` and `rwrs` and `rsges`; `sges` has `2n`.
+            // Each next pointer is one past the request (the last one's is past the end,
+            // never followed: `ring` cuts the chain at the request it posts last).
+            unsafe {
+                let w = &mut *wrs.add(k);
+                w.sg_list = sges.add(2 * k);
+                w.next = wrs.add(k + 1);
+                let r = &mut *rwrs.add(k);
+                r.sg_list = rsges.add(k);
+                r.next = rwrs.add(k + 1);
+            }
         }
+        db
     }
 }
 
@@ -1951,20 +1971,25 @@ impl VerbsHal {
         let p = t.live(token, "verbs submission")?;
         let sge = Self::sge(p)?;
         let mut num_sge = 1;
-        let mut imm_data = 0;
-        let mut wr = ib::raw::ibv_send_wr_wr {
-            atomic: ib::raw::ibv_send_wr_atomic::default(),
-        };
-        let rdma = |key: &crate::RemoteKey, off: u64| ib::raw::ibv_send_wr_rdma {
-            remote_addr: key.addr + off,
-            rkey: key.rkey,
+        // A SEND's request leaves `wr` (the remote address / atomic operands) and
+        // `imm_data` as the previous request in this place left them: the provider reads
+        // them only for the opcodes that carry them, and every arm that sets such an
+        // opcode writes them.
+        let w = &mut self.db.wrs[i];
+        let rdma = |key: &crate::RemoteKey, off: u64| ib::raw::ibv_send_wr_wr {
+            rdma: ib::raw::ibv_send_wr_rdma {
+                remote_addr: key.addr + off,
+                rkey: key.rkey,
+            },
         };
         let atomic = |key: &crate::RemoteKey, off: u64, compare_add: u64, swap: u64| {
-            ib::raw::ibv_send_wr_atomic {
-                remote_addr: key.addr + off,
-                compare_add,
-                swap,
-                rkey: key.rkey,
+            ib::raw::ibv_send_wr_wr {
+                atomic: ib::raw::ibv_send_wr_atomic {
+                    remote_addr: key.addr + off,
+                    compare_add,
+                    swap,
+                    rkey: key.rkey,
+                },
             }
         };
         let (opcode, may_quiet) = match p.desc {
@@ -1983,11 +2008,11 @@ impl VerbsHal {
             }
             OpDesc::Write { key, off } => {
                 self.db.sges[2 * i] = sge;
-                wr.rdma = rdma(&key, off);
+                w.wr = rdma(&key, off);
                 // Write with immediate: consumes a receive at the target.
                 let op = match p.imm {
                     Some(imm) => {
-                        imm_data = imm.to_be();
+                        w.imm_data = imm.to_be();
                         ib::raw::IBV_WR_RDMA_WRITE_WITH_IMM
                     }
                     None => ib::raw::IBV_WR_RDMA_WRITE,
@@ -1996,7 +2021,7 @@ impl VerbsHal {
             }
             OpDesc::Read { key, off } => {
                 self.db.sges[2 * i] = sge;
-                wr.rdma = rdma(&key, off);
+                w.wr = rdma(&key, off);
                 (ib::raw::IBV_WR_RDMA_READ, false)
             }
             OpDesc::Atomic { key, off, op } => {
@@ -2012,7 +2037,7 @@ impl VerbsHal {
                         atomic(&key, off, add, 0),
                     ),
                 };
-                wr.atomic = a;
+                w.wr = a;
                 (code, false)
             }
             OpDesc::Recv => {
@@ -2022,20 +2047,17 @@ impl VerbsHal {
             }
         };
         let quiet = may_quiet && !signal;
-        let w = &mut self.db.wrs[i];
         w.wr_id = raw_id::encode(token, false, self.seat.epoch);
         w.num_sge = num_sge;
         w.opcode = opcode;
         w.send_flags = if quiet { 0 } else { ib::raw::IBV_SEND_SIGNALED };
-        w.imm_data = imm_data;
-        w.wr = wr;
         Ok(quiet)
     }
 
     /// Rings one doorbell for `wrs[..n]` (filled by [`fill`](Self::fill)).
     ///
-    /// Why the raw post is sound (its contract, point by point): (1) `wrs[..n]` is linked
-    /// here into a NULL-terminated chain of requests `fill` built for this RC queue pair
+    /// Why the raw post is sound (its contract, point by point): (1) `wrs[..n]` is a
+    /// NULL-terminated chain (linked once by `Doorbell::new`, cut here after request `n - 1`) of requests `fill` built for this RC queue pair
     /// (valid opcodes, odd ids), each naming its scatter entries in `sges`. (2) Every entry
     /// names a buffer the tracker validated as this domain's (one protection domain) and
     /// within its region; the tracker owns that buffer, and through it the region and its
@@ -2044,25 +2066,21 @@ impl VerbsHal {
     /// queue pair before its tracker); the caller cannot touch the buffer meanwhile.
     /// (3) Completions come back through the hub's `CompletionQueue::poll`, by raw id.
     fn ring(&mut self, n: usize) -> std::result::Result<(), ib::Error> {
-        debug_assert!(n >= 1 && n <= self.db.wrs.len());
+        assert!(n >= 1 && n <= self.db.wrs.len());
         let wrs = self.db.wrs.as_mut_ptr();
-        let sges = self.db.sges.as_mut_ptr();
-        for k in 0..n {
-            // SAFETY: `k < n <= wrs.len()` and `2k + 1 < sges.len()` (twice as many); the
-            // vectors are never resized, so the pointers stay in bounds.
-            unsafe {
-                let w = &mut *wrs.add(k);
-                w.sg_list = sges.add(2 * k);
-                w.next = if k + 1 < n {
-                    wrs.add(k + 1)
-                } else {
-                    std::ptr::null_mut()
-                };
-            }
+        // SAFETY: `n - 1 < wrs.len()`; the requests were linked by `Doorbell::new` (their
+        // vectors never move). The chain ends at request `n - 1` for this post and is
+        // joined again after it.
+        unsafe {
+            let last = wrs.add(n - 1);
+            let next = std::mem::replace(&mut (*last).next, std::ptr::null_mut());
+            // A valid chain of this queue pair's requests on tracker-owned buffers,
+            // completed through the hub's poll (the contract, point by point: the doc
+            // above).
+            let res = self.qp.post_send_raw(&mut *wrs);
+            (*last).next = next;
+            res
         }
-        // SAFETY: a valid chain of this queue pair's requests on tracker-owned buffers,
-        // completed through the hub's poll (the contract, point by point: the doc above).
-        unsafe { self.qp.post_send_raw(&mut *wrs) }
     }
 
     /// Posts `rwrs[..n]` (their ids and scatter entries filled) in one call: a chain of
@@ -2072,24 +2090,18 @@ impl VerbsHal {
     /// receive queue has room: every posted receive is a live tracker slot, and the tracker
     /// has at most the queue's depth.
     fn ring_recv(&mut self, n: usize) -> std::result::Result<(), ib::Error> {
-        debug_assert!(n >= 1 && n <= self.db.rwrs.len());
+        assert!(n >= 1 && n <= self.db.rwrs.len());
         let wrs = self.db.rwrs.as_mut_ptr();
-        let sges = self.db.rsges.as_mut_ptr();
-        for k in 0..n {
-            // SAFETY: `k < n <= rwrs.len() == rsges.len()`; the vectors are never resized.
-            unsafe {
-                let w = &mut *wrs.add(k);
-                w.sg_list = sges.add(k);
-                w.next = if k + 1 < n {
-                    wrs.add(k + 1)
-                } else {
-                    std::ptr::null_mut()
-                };
-            }
+        // SAFETY: `n - 1 < rwrs.len()`; linked by `Doorbell::new`, cut after request
+        // `n - 1` for this post (as in `ring`). A valid chain of receives on tracker-owned
+        // buffers, with room in the queue (the contract, point by point: the doc above).
+        unsafe {
+            let last = wrs.add(n - 1);
+            let next = std::mem::replace(&mut (*last).next, std::ptr::null_mut());
+            let res = self.qp.post_recv_raw(&mut *wrs);
+            (*last).next = next;
+            res
         }
-        // SAFETY: a valid chain of receives on tracker-owned buffers, with room in the
-        // queue (the contract, point by point: the doc above).
-        unsafe { self.qp.post_recv_raw(&mut *wrs) }
     }
 
     /// Posts up to MAX_BATCH of the tracker's waiting receives in one call (kept out of
