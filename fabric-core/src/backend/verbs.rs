@@ -709,7 +709,7 @@ impl HubState {
         &mut self,
         hub_event: BorrowedFd<'_>,
         mine: Option<(u32, u16)>,
-        own: &mut dyn FnMut(Wc),
+        own: &mut impl FnMut(Wc),
     ) -> Result<usize> {
         let mut total = 0;
         loop {
