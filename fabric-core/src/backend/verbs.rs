@@ -1963,7 +1963,7 @@ impl VerbsHal {
     }
 
     /// Fills work request `i` of the doorbell being built (`wrs[i]`, its scatter entries
-    /// `sges[2i..2i + 2]`; the links are set by [`ring`](Self::ring)) for the queued
+    /// `sges[2i..2i + 2]`; the links were set by `Doorbell::new`) for the queued
     /// operation `token`. `signal`: it must ask for a completion; otherwise a send or a
     /// write goes without one. Says whether it went without.
     #[inline(always)]
@@ -2057,8 +2057,9 @@ impl VerbsHal {
     /// Rings one doorbell for `wrs[..n]` (filled by [`fill`](Self::fill)).
     ///
     /// Why the raw post is sound (its contract, point by point): (1) `wrs[..n]` is a
-    /// NULL-terminated chain (linked once by `Doorbell::new`, cut here after request `n - 1`) of requests `fill` built for this RC queue pair
-    /// (valid opcodes, odd ids), each naming its scatter entries in `sges`. (2) Every entry
+    /// NULL-terminated chain (linked once by `Doorbell::new`, cut here after request
+    /// `n - 1`) of requests `fill` built for this RC queue pair (valid opcodes, odd ids),
+    /// each naming its scatter entries in `sges`. (2) Every entry
     /// names a buffer the tracker validated as this domain's (one protection domain) and
     /// within its region; the tracker owns that buffer, and through it the region and its
     /// registration, until the operation's completion is taken or the connection failed
