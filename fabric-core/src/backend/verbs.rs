@@ -2069,18 +2069,18 @@ impl VerbsHal {
     fn ring(&mut self, n: usize) -> std::result::Result<(), ib::Error> {
         assert!(n >= 1 && n <= self.db.wrs.len());
         let wrs = self.db.wrs.as_mut_ptr();
+        let qp = &mut self.qp;
         // SAFETY: `n - 1 < wrs.len()`; the requests were linked by `Doorbell::new` (their
-        // vectors never move). The chain ends at request `n - 1` for this post and is
-        // joined again after it.
+        // vectors never move). A valid chain of this queue pair's requests on tracker-owned
+        // buffers, completed through the hub's poll (the contract, point by point: the doc
+        // above).
         unsafe {
-            let last = wrs.add(n - 1);
-            let next = std::mem::replace(&mut (*last).next, std::ptr::null_mut());
-            // A valid chain of this queue pair's requests on tracker-owned buffers,
-            // completed through the hub's poll (the contract, point by point: the doc
-            // above).
-            let res = self.qp.post_send_raw(&mut *wrs);
-            (*last).next = next;
-            res
+            post_cut(
+                wrs,
+                n,
+                |w| &raw mut (*w).next,
+                |first| qp.post_send_raw(first),
+            )
         }
     }
 
@@ -2093,15 +2093,17 @@ impl VerbsHal {
     fn ring_recv(&mut self, n: usize) -> std::result::Result<(), ib::Error> {
         assert!(n >= 1 && n <= self.db.rwrs.len());
         let wrs = self.db.rwrs.as_mut_ptr();
-        // SAFETY: `n - 1 < rwrs.len()`; linked by `Doorbell::new`, cut after request
-        // `n - 1` for this post (as in `ring`). A valid chain of receives on tracker-owned
-        // buffers, with room in the queue (the contract, point by point: the doc above).
+        let qp = &mut self.qp;
+        // SAFETY: `n - 1 < rwrs.len()`; linked by `Doorbell::new`. A valid chain of receives
+        // on tracker-owned buffers, with room in the queue (the contract, point by point:
+        // the doc above).
         unsafe {
-            let last = wrs.add(n - 1);
-            let next = std::mem::replace(&mut (*last).next, std::ptr::null_mut());
-            let res = self.qp.post_recv_raw(&mut *wrs);
-            (*last).next = next;
-            res
+            post_cut(
+                wrs,
+                n,
+                |w| &raw mut (*w).next,
+                |first| qp.post_recv_raw(first),
+            )
         }
     }
 
@@ -2263,6 +2265,31 @@ impl VerbsHal {
         if std::mem::take(&mut self.armed) {
             self.seat.hub.lock().demux.unwatch(self.qp_num);
         }
+    }
+}
+
+/// Posts the first `n` requests of a doorbell's linked array `wrs` (see `Doorbell::new`):
+/// the chain is cut after request `n - 1` for the post (`next` names a request's link) and
+/// joined again after it, whatever the post returned.
+///
+/// # Safety
+/// `wrs` points to at least `n >= 1` requests, each linked to the next; `post` must be
+/// sound for the chain of the first `n` (the callers' contracts).
+#[inline(always)]
+unsafe fn post_cut<W, R>(
+    wrs: *mut W,
+    n: usize,
+    next: impl Fn(*mut W) -> *mut *mut W,
+    post: impl FnOnce(&mut W) -> R,
+) -> R {
+    // SAFETY: `n - 1` is within the array (the caller's contract); the link is a plain
+    // pointer field of that request.
+    unsafe {
+        let link = next(wrs.add(n - 1));
+        let keep = std::mem::replace(&mut *link, std::ptr::null_mut());
+        let res = post(&mut *wrs);
+        *link = keep;
+        res
     }
 }
 
