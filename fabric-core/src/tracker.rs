@@ -172,6 +172,28 @@ struct Unexpected {
     bound: Option<RecvRef>,
 }
 
+/// Where a backend writes completions while a `poll` runs: the caller's `out[*n..]`
+/// (empty outside a poll). See [`Tracker::finish`] and
+/// [`complete_recv_into`](Tracker::complete_recv_into).
+#[derive(Debug)]
+pub struct Sink<'a> {
+    pub(crate) out: &'a mut [Completion],
+    pub(crate) n: &'a mut usize,
+}
+
+impl<'a> Sink<'a> {
+    /// The caller's array and how much of it is already filled.
+    pub fn new(out: &'a mut [Completion], n: &'a mut usize) -> Self {
+        Sink { out, n }
+    }
+
+    /// The next free completion, if any.
+    #[inline(always)]
+    pub(crate) fn next(&mut self) -> Option<&mut Completion> {
+        self.out.get_mut(*self.n)
+    }
+}
+
 /// The error of a backend's token that names no live operation (out of line: the hot
 /// paths only test for it).
 #[cold]
@@ -648,6 +670,42 @@ impl Tracker {
             .unwrap_or(Status::Success);
         let total = p.parts.iter().map(|s| s.len).sum();
         self.complete(at.token, st, total, 0)
+    }
+
+    /// [`complete_recv`](Self::complete_recv), written straight into the sink's next
+    /// completion (and the slot freed) when it is a plain receive, the sink has room and
+    /// nothing waits in the ready queue (completions are handed out in the order they
+    /// finished); otherwise as `complete_recv`. Returns `false` for a receive that is not
+    /// live.
+    #[inline]
+    pub fn complete_recv_into(
+        &mut self,
+        at: RecvRef,
+        status: Status,
+        len: usize,
+        tag: u64,
+        imm: Option<u32>,
+        sink: &mut Sink<'_>,
+    ) -> bool {
+        let idx = at.token.idx();
+        if at.part == 0 && self.ready.is_empty() {
+            if let Some(c) = sink.out.get_mut(*sink.n) {
+                let plain = self.slots.get_mut(idx).and_then(|slot| {
+                    (slot.gen == at.token.gen())
+                        .then_some(slot.op.as_mut())
+                        .flatten()
+                        .filter(|p| !p.done && p.parts.is_empty())
+                });
+                if let Some(p) = plain {
+                    p.tag = tag;
+                    p.imm = imm;
+                    self.retire(idx, c, status, len, 0);
+                    *sink.n += 1;
+                    return true;
+                }
+            }
+        }
+        self.complete_recv(at, status, len, tag, imm)
     }
 
     /// Whether the unexpected queue has room for one more message of `bytes` payload
@@ -1478,6 +1536,63 @@ mod tests {
             Finish::Grouped
         );
         assert_eq!(t.in_flight(), 1);
+    }
+
+    #[test]
+    fn complete_recv_into_writes_a_plain_receive_only_behind_an_empty_ready_queue() {
+        let mut t = Tracker::new(1, TransportKind::Shm, caps(8));
+        let r = region(&mut t, 64, Access::empty());
+        let s1 = t.post(OpDesc::Send, r.slice(0, 8).unwrap(), 1).unwrap();
+        let r1 = t.post(OpDesc::Recv, r.slice(16, 16).unwrap(), 2).unwrap();
+        let r2 = t.post(OpDesc::Recv, r.slice(32, 16).unwrap(), 3).unwrap();
+        let at = |token| RecvRef { token, part: 0 };
+        let mut out: Vec<Completion> = (0..2).map(|_| Completion::default()).collect();
+        let mut n = 0;
+        // A send finished first waits in the ready queue: the receive queues behind it.
+        assert!(t.complete(s1, Status::Success, 8, 0));
+        let mut sink = Sink::new(&mut out, &mut n);
+        assert!(t.complete_recv_into(at(r1), Status::Success, 5, 9, None, &mut sink));
+        assert_eq!(n, 0, "nothing written past the ready queue");
+        let got = drain(&mut t);
+        assert_eq!(got.iter().map(|c| c.wr_id).collect::<Vec<_>>(), [1, 2]);
+        assert_eq!((got[1].len, got[1].tag), (5, 9));
+        // Behind an empty queue: written into the sink, the slot freed, the token stale.
+        let mut sink = Sink::new(&mut out, &mut n);
+        assert!(t.complete_recv_into(at(r2), Status::Success, 7, 4, Some(6), &mut sink));
+        assert_eq!(n, 1);
+        let c = &out[0];
+        assert_eq!(
+            (c.wr_id, c.op, c.len, c.tag, c.imm),
+            (3, OpKind::Recv, 7, 4, Some(6))
+        );
+        assert_eq!(
+            c.buf.as_ref().map(|b| (b.offset(), b.len())),
+            Some((32, 16))
+        );
+        assert_eq!(t.in_flight(), 0);
+        let mut sink = Sink::new(&mut out, &mut n);
+        assert!(!t.complete_recv_into(at(r2), Status::Success, 7, 4, None, &mut sink));
+        assert_eq!(n, 1, "a stale receive writes nothing");
+        // A full sink: queued as `complete_recv` does.
+        let r3 = t.post(OpDesc::Recv, r.slice(48, 16).unwrap(), 5).unwrap();
+        let mut full = 2;
+        let mut sink = Sink::new(&mut out, &mut full);
+        assert!(t.complete_recv_into(at(r3), Status::Success, 1, 0, None, &mut sink));
+        assert_eq!(full, 2);
+        assert_eq!(
+            drain(&mut t).iter().map(|c| c.wr_id).collect::<Vec<_>>(),
+            [5]
+        );
+        // A grouped receive's part goes through `complete_recv`: the group stays live.
+        let parts = vec![
+            (r.slice(0, 8).unwrap(), 0, 0),
+            (r.slice(8, 8).unwrap(), 0, 0),
+        ];
+        let g = t.post_recv_group(parts, 4).unwrap();
+        let mut n = 0;
+        let mut sink = Sink::new(&mut out, &mut n);
+        assert!(t.complete_recv_into(at(g), Status::Success, 8, 0, None, &mut sink));
+        assert_eq!((n, t.in_flight()), (0, 1));
     }
 
     #[test]

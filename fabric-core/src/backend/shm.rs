@@ -49,7 +49,7 @@ use crate::error::{Error, Result};
 use crate::region::{check_range, Access, Memory, Region};
 use crate::ring::{self, Consumer, Producer, RingHeader};
 use crate::sys;
-use crate::tracker::{OpDesc, RecvRef, Token, Tracker};
+use crate::tracker::{OpDesc, RecvRef, Sink, Token, Tracker};
 use crate::transport::{
     AtomicOp, Capabilities, MemoryKinds, MessageOrdering, RemoteKey, Status, Transport,
     TransportKind,
@@ -903,7 +903,8 @@ impl ShmHal {
     #[inline(never)]
     fn control_failed(&mut self, t: &mut Tracker, e: Error) -> Result<()> {
         if sys::peer_hung_up(self.sock.as_fd()) {
-            while self.receive(t)? {}
+            let mut none = 0;
+            while self.receive(t, &mut Sink::new(&mut [], &mut none))? {}
             t.fail_all(Status::PeerGone, "shm peer hung up");
             return Ok(());
         }
@@ -916,7 +917,8 @@ impl ShmHal {
     fn check_peer_alive(&mut self, t: &mut Tracker) -> Result<()> {
         if sys::peer_hung_up(self.sock.as_fd()) {
             // Whatever the peer published before dying is still delivered.
-            while self.receive(t)? {}
+            let mut none = 0;
+            while self.receive(t, &mut Sink::new(&mut [], &mut none))? {}
             t.fail_all(Status::PeerGone, "shm peer hung up");
         }
         Ok(())
@@ -1203,15 +1205,15 @@ impl ShmHal {
     /// Takes incoming records (at most 64 per call); whether any was taken. One load
     /// of the header word at the ring's head when it is empty: the rest is out of line.
     #[inline]
-    fn receive(&mut self, t: &mut Tracker) -> Result<bool> {
+    fn receive(&mut self, t: &mut Tracker, sink: &mut Sink<'_>) -> Result<bool> {
         if self.rx.is_empty() {
             return Ok(false);
         }
-        self.receive_records(t)
+        self.receive_records(t, sink)
     }
 
     #[inline(never)]
-    fn receive_records(&mut self, t: &mut Tracker) -> Result<bool> {
+    fn receive_records(&mut self, t: &mut Tracker, sink: &mut Sink<'_>) -> Result<bool> {
         let mut any = false;
         for _ in 0..64 {
             let Some(rec) = self.rx.peek().map_err(|e| Error::Protocol(e.to_string()))? else {
@@ -1252,7 +1254,14 @@ impl ShmHal {
                                 // SAFETY: n <= total <= buf.len(); `src` has n bytes.
                                 unsafe { std::ptr::copy_nonoverlapping(src, buf.as_ptr(), n) };
                                 if n == total {
-                                    t.complete_recv(at, Status::Success, total, tag, None);
+                                    t.complete_recv_into(
+                                        at,
+                                        Status::Success,
+                                        total,
+                                        tag,
+                                        None,
+                                        sink,
+                                    );
                                 } else {
                                     self.rx_state = RxState::Receiving {
                                         at,
@@ -1301,7 +1310,7 @@ impl ShmHal {
                     *got += rec.len;
                     if *got == *total {
                         let (at, tag, total) = (*at, *tag, *total);
-                        t.complete_recv(at, Status::Success, total, tag, None);
+                        t.complete_recv_into(at, Status::Success, total, tag, None, sink);
                         self.rx_state = RxState::Idle;
                     }
                 }
@@ -1381,7 +1390,7 @@ impl ShmHal {
                                 // the peer does not reuse until we count this message done;
                                 // the receive buffer has at least `len` bytes.
                                 unsafe { std::ptr::copy_nonoverlapping(src, buf.as_ptr(), len) };
-                                t.complete_recv(at, Status::Success, len, tag, None);
+                                t.complete_recv_into(at, Status::Success, len, tag, None, sink);
                             }
                         }
                         None if !t.has_posted_recv() => break,
@@ -1512,13 +1521,26 @@ impl Hal for ShmHal {
     }
 
     fn progress(&mut self, t: &mut Tracker) -> Result<()> {
+        let mut none = 0;
+        self.progress_into(t, &mut [], &mut none)
+    }
+
+    /// A full pass; receives that complete go straight into the caller's `out[*n..]`
+    /// ([`Tracker::complete_recv_into`]).
+    fn progress_into(
+        &mut self,
+        t: &mut Tracker,
+        out: &mut [crate::Completion],
+        n: &mut usize,
+    ) -> Result<()> {
+        let mut sink = Sink::new(out, n);
         self.unarm();
         if let Err(e) = self.announcer.flush() {
             return self.control_failed(t, e);
         }
         self.take_announcements()?;
         let mut moved = self.submit_all(t)?;
-        if self.receive(t)? {
+        if self.receive(t, &mut sink)? {
             moved = true;
         }
         if !self.rndv_out.is_empty() && self.rndv_finished(t)? {

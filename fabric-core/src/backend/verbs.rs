@@ -92,7 +92,7 @@ use crate::domain::{Domain, DomainBackend, MemorySupport, Registered};
 use crate::error::{Error, Result};
 use crate::region::{Access, Buf, Region};
 use crate::sys;
-use crate::tracker::{Finish, OpDesc, Pending as Op, Token, Tracker};
+use crate::tracker::{Finish, OpDesc, Pending as Op, Sink, Token, Tracker};
 use crate::transport::{
     AtomicOp, Capabilities, Completion, MemoryKinds, MessageOrdering, PostError, PostResult,
     Status, Transport, TransportKind,
@@ -2235,7 +2235,7 @@ impl VerbsHal {
         let hub = &seat.hub;
         let mut st = hub.lock();
         let mut n = 0;
-        let mut sink = Sink { out, n: n_out };
+        let mut sink = Sink::new(out, n_out);
         let mut on = |wc: Wc| match eager.as_mut() {
             Some(e) if wc.recv => on_bounce(t, e, qp, wc),
             _ => complete(t, sq, wc, &mut sink),
@@ -2308,13 +2308,6 @@ fn header(e: &Eager, token: Token, tag: u64) -> Result<ibv_sge> {
     })
 }
 
-/// Where [`complete`] writes completions: the caller's `out[*n..]` of the `poll` running
-/// (empty outside a poll).
-struct Sink<'a> {
-    out: &'a mut [Completion],
-    n: &'a mut usize,
-}
-
 /// Hands one completion to the tracker. A send-queue completion first retires, as
 /// successful, the unsignalled work requests posted before it (`sq`, in post order: send
 /// queues complete in order, and a failing work request always reports itself, signalled
@@ -2361,7 +2354,7 @@ fn complete_one(t: &mut Tracker, token: Token, wc: Wc, sink: &mut Sink<'_>) {
         ),
         _ => (p.buf.len(), 0),
     };
-    let into = sink.out.get_mut(*sink.n);
+    let into = sink.next();
     match t.finish(token, status, wc.imm, len_value, into) {
         Finish::Taken => *sink.n += 1,
         Finish::Queued => {}
