@@ -934,8 +934,8 @@ impl ShmHal {
     /// Runs the front submission as far as possible.
     fn submit_one(&mut self, t: &mut Tracker, token: Token) -> Result<Step> {
         let p = t.live(token, "shm submission")?;
-        let desc = p.desc;
-        match desc {
+        // (Matched in place: only the fields an arm uses are copied, not the descriptor.)
+        match p.desc {
             OpDesc::Send
                 if self.rndv > 0
                     && p.buf.len() >= self.rndv
@@ -1000,7 +1000,7 @@ impl ShmHal {
                 }
             }
             OpDesc::Write { key, off } | OpDesc::Read { key, off } => {
-                let write = matches!(desc, OpDesc::Write { .. });
+                let write = matches!(p.desc, OpDesc::Write { .. });
                 let need = if write {
                     Access::REMOTE_WRITE
                 } else {
