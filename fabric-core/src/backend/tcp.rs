@@ -40,7 +40,7 @@ use crate::domain::{Domain, DomainBackend, MemorySupport};
 use crate::error::{DecodeError, Error, Result};
 use crate::region::{Access, Region};
 use crate::sys;
-use crate::tracker::{OpDesc, RecvRef, Token, Tracker};
+use crate::tracker::{OpDesc, RecvRef, Sink, Token, Tracker};
 use crate::transport::{
     AtomicOp, Capabilities, MemoryKinds, MessageOrdering, Status, Transport, TransportKind,
 };
@@ -824,8 +824,9 @@ impl TcpHal {
         }
     }
 
-    /// Reads and dispatches frames. Returns whether anything moved.
-    fn receive(&mut self, t: &mut Tracker) -> Result<bool> {
+    /// Reads and dispatches frames; a receive that completes goes into `sink` where it may
+    /// ([`Tracker::complete_recv_into`]). Returns whether anything moved.
+    fn receive(&mut self, t: &mut Tracker, sink: &mut Sink<'_>) -> Result<bool> {
         let mut moved = false;
         loop {
             if let Rx::Payload {
@@ -889,7 +890,7 @@ impl TcpHal {
                 moved = true;
                 match then {
                     Then::CompleteRecv(at, len, tag) => {
-                        t.complete_recv(at, Status::Success, len, tag, None);
+                        t.complete_recv_into(at, Status::Success, len, tag, None, sink);
                     }
                     Then::StashEnd => t.stash_end(),
                     Then::AckImm(h, to) => {
@@ -1189,6 +1190,18 @@ impl Hal for TcpHal {
     }
 
     fn progress(&mut self, t: &mut Tracker) -> Result<()> {
+        let mut none = 0;
+        self.progress_into(t, &mut [], &mut none)
+    }
+
+    /// A full pass; receives that complete go straight into the caller's `out[*n..]`.
+    fn progress_into(
+        &mut self,
+        t: &mut Tracker,
+        out: &mut [crate::Completion],
+        n: &mut usize,
+    ) -> Result<()> {
+        let mut sink = Sink::new(out, n);
         if self.epoll_out {
             self.epoll_out = false;
             if let Some(ep) = self.lone_made() {
@@ -1198,7 +1211,7 @@ impl Hal for TcpHal {
         self.drained = false;
         let step = (|| -> Result<()> {
             self.flush(t)?;
-            if self.receive(t)? {
+            if self.receive(t, &mut sink)? {
                 // Responses may have been queued.
                 self.flush(t)?;
             }
