@@ -363,10 +363,7 @@ fn ranks_from_a_launchers_environment() {
         return;
     };
     // A free loopback port for rank 0's rendezvous.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("free port")
-        .port();
+    let port = support::free_port("127.0.0.1");
     let bootstrap = format!("127.0.0.1:{port}");
     let children: Vec<_> = (0..2)
         .map(|r| {

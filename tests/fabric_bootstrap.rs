@@ -155,10 +155,7 @@ fn pair_roundtrip_at(
     forced: Option<TransportKind>,
     expect: TransportKind,
 ) {
-    let port = {
-        let l = std::net::TcpListener::bind(format!("{bind_ip}:0")).unwrap();
-        l.local_addr().unwrap().port()
-    };
+    let port = support::free_port(bind_ip);
     let bind = format!("{bind_ip}:{port}");
     let join = format!("{join_ip}:{port}");
     let opts = Options::default();

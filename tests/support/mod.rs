@@ -30,3 +30,45 @@ pub fn skip(capability: &str, why: std::fmt::Arguments<'_>) {
         format_args!("skipped: {why} [lacks {capability}] [{test}]\n"),
     );
 }
+
+/// A TCP port on `ip` for a server a test starts by name (`bootstrap::pair`, a launcher's
+/// `FABRIC_BOOTSTRAP`): one below the kernel's ephemeral range
+/// (`net.ipv4.ip_local_port_range`), found free by binding it once. A port taken with
+/// `bind(":0")` and released comes from the range every other `bind(":0")` and outgoing
+/// connection of the tests running beside it draw from, so one of them can take it before the
+/// server binds it (seen: the server failing with "Address already in use" and its client
+/// reset by another test's listener). Below that range only an explicit choice lands, and
+/// within this process the choices never repeat (one shared counter from a random start).
+#[allow(dead_code)] // each test crate compiles this module; not all of them start servers
+pub fn free_port(ip: &str) -> u16 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    const LOWEST: u32 = 10_000;
+    let top = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32_768);
+    if top <= LOWEST + 100 {
+        // An unusual range leaves no room below it: fall back to the kernel's choice.
+        return std::net::TcpListener::bind((ip, 0))
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+    }
+    let span = top - LOWEST;
+    let start = {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        (nanos ^ std::process::id().wrapping_mul(2_654_435_761)) % span
+    };
+    let _ = NEXT.compare_exchange(0, start + 1, Ordering::Relaxed, Ordering::Relaxed);
+    for _ in 0..span {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = (LOWEST + n % span) as u16;
+        if std::net::TcpListener::bind((ip, port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port on {ip} between {LOWEST} and {top}");
+}
