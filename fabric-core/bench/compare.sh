@@ -89,7 +89,7 @@ ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else
 
 # TCP's congestion control decides the loopback streaming figures (BBR paces; see retrans).
 CC=$(cat /proc/sys/net/ipv4/tcp_congestion_control 2>/dev/null || echo unknown)
-echo "Measured $(date -u +%Y-%m-%dT%H:%MZ) on $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg), TCP congestion control $CC; command: bash fabric-core/bench/compare.sh (ITERS=$ITERS BW_ITERS=$BW_ITERS BW_WARMUP=$BW_WARMUP TRIALS=$TRIALS)"
+echo "Measured $(date -u +%Y-%m-%dT%H:%MZ) on $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg), TCP congestion control $CC (fabric tcp on loopback: ${FABRIC_TCP_CONGESTION:-unpaced-on-loopback}); command: bash fabric-core/bench/compare.sh (ITERS=$ITERS BW_ITERS=$BW_ITERS BW_WARMUP=$BW_WARMUP TRIALS=$TRIALS)"
 echo
 echo "| transport | figure | size | ours | reference | ratio ours/ref | target (issue 12) |"
 echo "| --- | --- | ---: | ---: | ---: | ---: | --- |"

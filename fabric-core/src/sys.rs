@@ -199,6 +199,54 @@ pub fn set_listen_backlog(fd: BorrowedFd<'_>, backlog: i32) -> Result<()> {
     cvt("listen", unsafe { libc::listen(fd.as_raw_fd(), backlog) }).map(|_| ())
 }
 
+/// The congestion control algorithm a TCP socket uses (`getsockopt(TCP_CONGESTION)`,
+/// e.g. `"cubic"`).
+///
+/// # Errors
+/// [`Error::Io`] when `getsockopt` fails (not a TCP socket).
+pub fn tcp_congestion(fd: BorrowedFd<'_>) -> Result<String> {
+    let mut buf = [0u8; 32];
+    let mut len = buf.len() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `buf` and the length it wrote
+    // into `len`.
+    cvt("getsockopt(TCP_CONGESTION)", unsafe {
+        libc::getsockopt(
+            fd.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_CONGESTION,
+            buf.as_mut_ptr().cast(),
+            &mut len,
+        )
+    })?;
+    let name = &buf[..(len as usize).min(buf.len())];
+    let end = name.iter().position(|&c| c == 0).unwrap_or(name.len());
+    Ok(String::from_utf8_lossy(&name[..end]).into_owned())
+}
+
+/// Chooses a TCP socket's congestion control algorithm (`setsockopt(TCP_CONGESTION)`).
+/// The kernel refuses a name it does not know (`ENOENT`) and, without `CAP_NET_ADMIN`,
+/// one outside `net.ipv4.tcp_allowed_congestion_control` (`EPERM`).
+///
+/// # Errors
+/// The OS error, unwrapped: callers decide whether a refusal matters.
+pub fn set_tcp_congestion(fd: BorrowedFd<'_>, name: &str) -> io::Result<()> {
+    // SAFETY: setsockopt reads `name.len()` bytes from `name`, which outlives the call.
+    let r = unsafe {
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_CONGESTION,
+            name.as_ptr().cast(),
+            name.len() as libc::socklen_t,
+        )
+    };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
 /// Raises this process's soft limit on open files to at least `want`, as far as the hard
 /// limit allows (never lowers it). Returns `(soft, hard)` as they are afterwards.
 ///

@@ -142,6 +142,55 @@ pub struct Options {
     /// the connection they were posted on (so set `FABRIC_VERBS_SRQ_BUFFERS` only together
     /// with `FABRIC_VERBS_EAGER_BYTES`).
     pub verbs_srq_buffers: usize,
+    /// tcp: which congestion control algorithm each connection's socket uses. Default
+    /// [`TcpCongestion::UnpacedOnLoopback`], or `FABRIC_TCP_CONGESTION` (`host`,
+    /// `unpaced-on-loopback`, or an algorithm's name).
+    pub tcp_congestion: TcpCongestion,
+}
+
+/// The congestion control a tcp connection's socket uses ([`Options::tcp_congestion`]).
+///
+/// Why the default departs from the host's choice on one kind of connection: a host that
+/// runs BBR (`net.ipv4.tcp_congestion_control = bbr`) paces every socket, so segments leave
+/// from timers and from acknowledgement processing on whichever CPU runs them, as well as
+/// from the writing thread. On the loopback device a segment is delivered on the CPU that
+/// sends it, so segments sent from two CPUs overtake each other; the receiver sees them out
+/// of order, the sender retransmits segments that were never lost and stalls. Measured
+/// (BENCHMARKS.md, "the tcp transport picks its congestion control on loopback"): a stream
+/// of 1 MiB messages retransmitted ~10 × less and ran faster in five of six pairs with
+/// `cubic` on its sockets. BBR's model (a bottleneck link's bandwidth and a path's round
+/// trip) has nothing to measure on a connection that never leaves the host, and the
+/// algorithm of such a connection affects no other host's traffic.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum TcpCongestion {
+    /// Every connection keeps the host's default algorithm.
+    Host,
+    /// A connection between two addresses of this host (a loopback peer, or a peer at the
+    /// local address itself: the kernel routes both over the loopback device) that the host
+    /// gives a pacing algorithm uses `cubic`, or `reno` where `cubic` is not allowed to this
+    /// process (`reno` always is); if neither can be set it keeps the host's. Connections
+    /// to other hosts keep the host's algorithm.
+    #[default]
+    UnpacedOnLoopback,
+    /// Every connection uses this algorithm; one the kernel refuses fails the connection
+    /// with [`Error::InvalidArgument`] naming what this host allows.
+    Named(String),
+}
+
+impl TcpCongestion {
+    /// From `FABRIC_TCP_CONGESTION` (see [`parse`](Self::parse)); unset: the default.
+    pub fn from_env() -> Self {
+        std::env::var("FABRIC_TCP_CONGESTION").map_or_else(|_| Self::default(), |v| Self::parse(&v))
+    }
+
+    /// `host`, `unpaced-on-loopback` (or empty: the default), or an algorithm's name.
+    pub fn parse(s: &str) -> Self {
+        match s.trim() {
+            "" | "unpaced-on-loopback" => TcpCongestion::UnpacedOnLoopback,
+            "host" => TcpCongestion::Host,
+            name => TcpCongestion::Named(name.to_owned()),
+        }
+    }
 }
 
 /// Most parts of one grouped receive (shm, tcp).
@@ -165,6 +214,7 @@ impl Default for Options {
             unexpected_bytes: 4 << 20,
             verbs_eager_bytes: env_usize("FABRIC_VERBS_EAGER_BYTES").unwrap_or(0),
             verbs_srq_buffers: env_usize("FABRIC_VERBS_SRQ_BUFFERS").unwrap_or(0),
+            tcp_congestion: TcpCongestion::from_env(),
         }
     }
 }

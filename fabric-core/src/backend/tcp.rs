@@ -19,6 +19,10 @@
 //! arrives with no receive posted, the backend stops reading the socket and TCP flow
 //! control pushes back on the peer.
 //!
+//! Congestion control: a connection that stays on this host leaves a pacing algorithm
+//! (BBR) for `cubic` or `reno`; see [`TcpCongestion`](super::TcpCongestion) for why and
+//! how to choose otherwise.
+//!
 //! Sleeping: a connection holds one fd, its socket. A lone [`wait_fd`](Transport::wait_fd)
 //! is an epoll of the socket, made on first need, that `arm` also sets to watch
 //! writability while output waits for room; a [`Worker`](crate::Worker) watches the socket
@@ -28,12 +32,12 @@
 
 use std::collections::VecDeque;
 use std::io;
-use std::net::{TcpListener, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::OnceLock;
 
 use super::accept::{self, AcceptQueue, Connecting, Handshake};
-use super::{BackendEntry, Connector, Endpoint, Hal, Listener, WatchFds};
+use super::{BackendEntry, Connector, Endpoint, Hal, Listener, TcpCongestion, WatchFds};
 use crate::bootstrap::auth;
 use crate::bootstrap::wire::{MAC_LEN, NONCE_LEN};
 use crate::domain::{Domain, DomainBackend, MemorySupport};
@@ -337,12 +341,73 @@ pub fn decode_hello(b: &[u8]) -> std::result::Result<(u32, [u8; NONCE_LEN]), Dec
     Ok((flags, nonce))
 }
 
-fn setup(s: &TcpStream) -> Result<()> {
+fn setup(s: &TcpStream, congestion: &TcpCongestion) -> Result<()> {
     s.set_nonblocking(true)
         .map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
     s.set_nodelay(true)
         .map_err(|e| Error::io("setsockopt(TCP_NODELAY)", e))?;
-    Ok(())
+    choose_congestion(
+        s.as_fd(),
+        s.local_addr().ok(),
+        s.peer_addr().ok(),
+        congestion,
+    )
+}
+
+/// Whether a connection from `local` to `peer` stays on this host: the kernel routes a
+/// loopback peer, and a peer at the local address itself, over the loopback device.
+fn same_host(local: IpAddr, peer: IpAddr) -> bool {
+    let peer = peer.to_canonical();
+    peer.is_loopback() || peer == local.to_canonical()
+}
+
+/// Applies [`Options::tcp_congestion`](super::Options::tcp_congestion) to a connected
+/// socket (`local` / `peer`: its addresses, where known).
+fn choose_congestion(
+    fd: BorrowedFd<'_>,
+    local: Option<SocketAddr>,
+    peer: Option<SocketAddr>,
+    policy: &TcpCongestion,
+) -> Result<()> {
+    match policy {
+        TcpCongestion::Host => Ok(()),
+        TcpCongestion::Named(name) => {
+            sys::set_tcp_congestion(fd, name).map_err(|e| congestion_refused(name, &e))
+        }
+        TcpCongestion::UnpacedOnLoopback => {
+            let (Some(l), Some(p)) = (local, peer) else {
+                return Ok(());
+            };
+            if !same_host(l.ip(), p.ip())
+                || !sys::tcp_congestion(fd).is_ok_and(|now| now.starts_with("bbr"))
+            {
+                return Ok(());
+            }
+            // `cubic` where this process may choose it, else `reno` (never restricted);
+            // neither: the host's stays (a loss of speed, not of function).
+            if sys::set_tcp_congestion(fd, "cubic").is_err() {
+                let _ = sys::set_tcp_congestion(fd, "reno");
+            }
+            Ok(())
+        }
+    }
+}
+
+/// The error for a [`TcpCongestion::Named`] algorithm the kernel refused, with what this
+/// host offers.
+fn congestion_refused(name: &str, e: &io::Error) -> Error {
+    let sysctl = |f: &str| {
+        std::fs::read_to_string(format!("/proc/sys/net/ipv4/{f}"))
+            .map_or_else(|_| "?".to_owned(), |s| s.trim().to_owned())
+    };
+    Error::InvalidArgument(format!(
+        "tcp congestion control {name:?} refused by the kernel ({e}); this host allows \
+         {:?} without CAP_NET_ADMIN (net.ipv4.tcp_allowed_congestion_control) and has {:?} \
+         (net.ipv4.tcp_available_congestion_control); FABRIC_TCP_CONGESTION=host keeps \
+         its default",
+        sysctl("tcp_allowed_congestion_control"),
+        sysctl("tcp_available_congestion_control"),
+    ))
 }
 
 /// The non-blocking connection handshake: hellos both ways, then — when a shared secret
@@ -478,7 +543,7 @@ impl<const ROLE: u32> Handshake<TcpStream> for TcpHandshake<ROLE> {
     type Ctx = Domain;
     type Output = Box<dyn Transport>;
     fn start(s: TcpStream, domain: &Domain) -> Result<Self> {
-        setup(&s)?;
+        setup(&s, &domain.options().tcp_congestion)?;
         let hello = Hello::new(domain.options().tcp_secret.clone(), ROLE)?;
         Ok(TcpHandshake { s, hello })
     }
@@ -506,6 +571,12 @@ impl TcpListenerT {
     pub fn bind(domain: &Domain) -> Result<Self> {
         let opts = domain.options();
         let (sock, a) = accept::bind_tcp(&opts.tcp_bind)?;
+        if let TcpCongestion::Named(name) = &opts.tcp_congestion {
+            // Refused here, where the listener's owner sees it (accepted sockets inherit it);
+            // a refusal per accepted socket would only drop the peers.
+            sys::set_tcp_congestion(sock.as_fd(), name)
+                .map_err(|e| congestion_refused(name, &e))?;
+        }
         Ok(TcpListenerT {
             queue: AcceptQueue::new(sock, opts.handshake_timeout),
             address: format!("tcp:{a}"),
@@ -1328,6 +1399,95 @@ mod tests {
         crate::backend::shared_tests::a_receive_posted_after_its_message_arrived_does_not_sleep(
             KIND,
         );
+    }
+
+    /// A connected loopback pair under `policy`, with each socket's algorithm.
+    fn congestion_of_a_pair(policy: TcpCongestion) -> Result<[String; 2]> {
+        let opts = crate::backend::Options {
+            tcp_congestion: policy,
+            ..Default::default()
+        };
+        let mut l = crate::backend::listen(KIND, &opts)?;
+        let mut c = crate::backend::connect(l.address(), &opts)?;
+        let (a, b) =
+            crate::backend::loopback(l.as_mut(), c.as_mut(), std::time::Duration::from_secs(10))?;
+        let of = |t: &dyn Transport| sys::tcp_congestion(t.watch_fds().as_slice()[0].0);
+        Ok([of(a.as_ref())?, of(b.as_ref())?])
+    }
+
+    fn host_default() -> String {
+        std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control")
+            .expect("net.ipv4.tcp_congestion_control")
+            .trim()
+            .to_owned()
+    }
+
+    #[test]
+    fn loopback_connections_leave_a_pacing_default_and_keep_any_other() {
+        let host = host_default();
+        let got = congestion_of_a_pair(TcpCongestion::UnpacedOnLoopback).unwrap();
+        for cc in &got {
+            if host.starts_with("bbr") {
+                assert!(
+                    cc == "cubic" || cc == "reno",
+                    "a loopback socket kept the pacing {cc:?} (host default {host:?})"
+                );
+            } else {
+                assert_eq!(cc, &host, "a non-pacing host default was replaced");
+            }
+        }
+        println!("host default {host:?}, loopback connection: {got:?}");
+    }
+
+    #[test]
+    fn host_policy_keeps_the_default_and_a_named_one_is_used_or_refused_by_name() {
+        let host = host_default();
+        assert_eq!(
+            congestion_of_a_pair(TcpCongestion::Host).unwrap(),
+            [host.clone(), host]
+        );
+        // `reno` is never restricted: any process may choose it.
+        assert_eq!(
+            congestion_of_a_pair(TcpCongestion::Named("reno".into())).unwrap(),
+            ["reno", "reno"]
+        );
+        let e = congestion_of_a_pair(TcpCongestion::Named("no-such-cc".into())).unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            matches!(e, Error::InvalidArgument(_))
+                && msg.contains("\"no-such-cc\"")
+                && msg.contains("tcp_allowed_congestion_control"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn the_environment_names_a_policy() {
+        for (v, want) in [
+            ("", TcpCongestion::UnpacedOnLoopback),
+            (" unpaced-on-loopback ", TcpCongestion::UnpacedOnLoopback),
+            ("host", TcpCongestion::Host),
+            ("cubic", TcpCongestion::Named("cubic".into())),
+        ] {
+            assert_eq!(TcpCongestion::parse(v), want, "{v:?}");
+        }
+    }
+
+    #[test]
+    fn only_connections_that_stay_on_this_host_count_as_loopback() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        for (local, peer, same) in [
+            ("127.0.0.1", "127.0.0.1", true),
+            ("127.0.0.1", "127.0.0.2", true),
+            ("::1", "::1", true),
+            ("::ffff:127.0.0.1", "::ffff:127.0.0.1", true),
+            ("10.0.0.5", "10.0.0.5", true),
+            ("::ffff:10.0.0.5", "10.0.0.5", true),
+            ("10.0.0.5", "10.0.0.6", false),
+            ("fe80::1", "fe80::2", false),
+        ] {
+            assert_eq!(same_host(ip(local), ip(peer)), same, "{local} -> {peer}");
+        }
     }
 
     #[test]
