@@ -20,7 +20,7 @@
 //! control pushes back on the peer.
 //!
 //! Congestion control: a connection that stays on this host leaves a pacing algorithm
-//! (BBR) for `cubic` or `reno`; see [`TcpCongestion`](super::TcpCongestion) for why and
+//! (BBR) for `cubic` or `reno`; see [`TcpCongestion`] for why and
 //! how to choose otherwise.
 //!
 //! Sleeping: a connection holds one fd, its socket. A lone [`wait_fd`](Transport::wait_fd)
