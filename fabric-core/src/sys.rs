@@ -448,11 +448,16 @@ pub fn map_shared(fd: BorrowedFd<'_>, len: usize) -> Result<memmap2::MmapRaw> {
 }
 
 /// Starts a non-blocking TCP connect (`EINPROGRESS` is success); finish it with
-/// [`connect_finished`].
+/// [`connect_finished`]. `prepare` sees the socket before it connects (options that must
+/// hold from the first segment on).
 ///
 /// # Errors
-/// [`Error::Io`] when the socket cannot be created or the connect fails at once.
-pub fn tcp_connect_start(addr: std::net::SocketAddr) -> Result<std::net::TcpStream> {
+/// [`Error::Io`] when the socket cannot be created or the connect fails at once;
+/// `prepare`'s error.
+pub fn tcp_connect_start(
+    addr: std::net::SocketAddr,
+    prepare: impl FnOnce(BorrowedFd<'_>) -> Result<()>,
+) -> Result<std::net::TcpStream> {
     use std::net::SocketAddr;
     let domain = match addr {
         SocketAddr::V4(_) => libc::AF_INET,
@@ -468,6 +473,7 @@ pub fn tcp_connect_start(addr: std::net::SocketAddr) -> Result<std::net::TcpStre
     })?;
     // SAFETY: fresh descriptor we own.
     let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+    prepare(owned.as_fd())?;
     // SAFETY: zeroed sockaddr_storage is valid; we fill the variant matching `domain`.
     let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
     let len = match addr {

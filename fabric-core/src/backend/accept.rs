@@ -19,6 +19,7 @@
 use std::fmt;
 use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::BorrowedFd;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{self, UnixListener, UnixStream};
 use std::time::{Duration, Instant};
@@ -332,11 +333,17 @@ pub(crate) fn bind_tcp(bind: &str) -> Result<(TcpListener, SocketAddr)> {
 }
 
 /// Resolves `HOST:PORT` (a `backend` address without its prefix) and starts a
-/// non-blocking connect to its first address.
+/// non-blocking connect to its first address; `prepare` sees the socket and that address
+/// before the connect.
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] for an address that does not resolve; [`Error::Io`].
-pub(crate) fn dial_tcp(address: &str, backend: &str) -> Result<TcpStream> {
+/// [`Error::InvalidArgument`] for an address that does not resolve; [`Error::Io`];
+/// `prepare`'s error.
+pub(crate) fn dial_tcp(
+    address: &str,
+    backend: &str,
+    prepare: impl FnOnce(BorrowedFd<'_>, SocketAddr) -> Result<()>,
+) -> Result<TcpStream> {
     let addr: SocketAddr = address
         .to_socket_addrs()
         .map_err(|e| Error::InvalidArgument(format!("{backend} address {address:?}: {e}")))?
@@ -344,7 +351,7 @@ pub(crate) fn dial_tcp(address: &str, backend: &str) -> Result<TcpStream> {
         .ok_or_else(|| {
             Error::InvalidArgument(format!("{backend} address {address:?} resolves to nothing"))
         })?;
-    sys::tcp_connect_start(addr)
+    sys::tcp_connect_start(addr, |fd| prepare(fd, addr))
 }
 
 #[cfg(test)]
@@ -652,7 +659,7 @@ mod tests {
         let ctx = Script::default();
         let l = TcpListener::bind("127.0.0.1:0").expect("bind");
         let addr = l.local_addr().expect("addr").to_string();
-        let s = dial_tcp(&addr, "test").expect("dial");
+        let s = dial_tcp(&addr, "test", |_, _| Ok(())).expect("dial");
         let mut c: Connecting<TcpStream, Ping<TcpStream>> = Connecting::dial(
             s,
             Duration::from_secs(5),
@@ -679,7 +686,7 @@ mod tests {
         // Nobody there: the connect's own error, not a timeout.
         drop(l);
         let mut c: Connecting<TcpStream, Ping<TcpStream>> = Connecting::dial(
-            dial_tcp(&addr, "test").expect("dial"),
+            dial_tcp(&addr, "test", |_, _| Ok(())).expect("dial"),
             Duration::from_secs(5),
             ["test connect", "test handshake"],
         );
@@ -707,7 +714,7 @@ mod tests {
             Err(Error::InvalidArgument(m)) => assert!(m.contains("shm address"), "{m}"),
             other => panic!("expected InvalidArgument, got {other:?}"),
         }
-        match dial_tcp("no port here", "verbs") {
+        match dial_tcp("no port here", "verbs", |_, _| Ok(())) {
             Err(Error::InvalidArgument(m)) => assert!(m.contains("verbs address"), "{m}"),
             other => panic!("expected InvalidArgument, got {other:?}"),
         }

@@ -346,12 +346,18 @@ fn setup(s: &TcpStream, congestion: &TcpCongestion) -> Result<()> {
         .map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
     s.set_nodelay(true)
         .map_err(|e| Error::io("setsockopt(TCP_NODELAY)", e))?;
-    choose_congestion(
-        s.as_fd(),
-        s.local_addr().ok(),
-        s.peer_addr().ok(),
-        congestion,
-    )
+    if let (TcpCongestion::UnpacedOnLoopback, Ok(l), Ok(p)) =
+        (congestion, s.local_addr(), s.peer_addr())
+    {
+        // Only a same-host connection not known as one before it connected gets here
+        // unpaced (a listener on every address, a peer at our own non-loopback address).
+        // BBR's pacing stays with a socket switched after it connected (the kernel keeps
+        // it on), its rate then set from cubic's window: less than set before, still a gain.
+        if same_host(l.ip(), p.ip()) {
+            unpace(s.as_fd());
+        }
+    }
+    Ok(())
 }
 
 /// Whether a connection from `local` to `peer` stays on this host: the kernel routes a
@@ -361,35 +367,37 @@ fn same_host(local: IpAddr, peer: IpAddr) -> bool {
     peer.is_loopback() || peer == local.to_canonical()
 }
 
-/// Applies [`Options::tcp_congestion`](super::Options::tcp_congestion) to a connected
-/// socket (`local` / `peer`: its addresses, where known).
-fn choose_congestion(
+/// Applies [`Options::tcp_congestion`](super::Options::tcp_congestion) to a socket that has
+/// not connected yet: a listener bound to `addr` (the sockets it accepts inherit the
+/// algorithm) or a socket about to connect to `addr`. Set this early, a socket never runs
+/// the host's algorithm; a socket that started under BBR keeps BBR's pacing after a switch.
+fn congestion_before_connecting(
     fd: BorrowedFd<'_>,
-    local: Option<SocketAddr>,
-    peer: Option<SocketAddr>,
+    addr: SocketAddr,
     policy: &TcpCongestion,
 ) -> Result<()> {
     match policy {
-        TcpCongestion::Host => Ok(()),
+        TcpCongestion::Host => {}
         TcpCongestion::Named(name) => {
-            sys::set_tcp_congestion(fd, name).map_err(|e| congestion_refused(name, &e))
+            sys::set_tcp_congestion(fd, name).map_err(|e| congestion_refused(name, &e))?;
         }
         TcpCongestion::UnpacedOnLoopback => {
-            let (Some(l), Some(p)) = (local, peer) else {
-                return Ok(());
-            };
-            if !same_host(l.ip(), p.ip())
-                || !sys::tcp_congestion(fd).is_ok_and(|now| now.starts_with("bbr"))
-            {
-                return Ok(());
+            if addr.ip().to_canonical().is_loopback() {
+                unpace(fd);
             }
-            // `cubic` where this process may choose it, else `reno` (never restricted);
-            // neither: the host's stays (a loss of speed, not of function).
-            if sys::set_tcp_congestion(fd, "cubic").is_err() {
-                let _ = sys::set_tcp_congestion(fd, "reno");
-            }
-            Ok(())
         }
+    }
+    Ok(())
+}
+
+/// A socket the host gives a pacing algorithm (BBR) gets `cubic` where this process may
+/// choose it, else `reno` (never restricted); neither: the host's stays (a loss of speed,
+/// not of function).
+fn unpace(fd: BorrowedFd<'_>) {
+    if sys::tcp_congestion(fd).is_ok_and(|now| now.starts_with("bbr"))
+        && sys::set_tcp_congestion(fd, "cubic").is_err()
+    {
+        let _ = sys::set_tcp_congestion(fd, "reno");
     }
 }
 
@@ -571,12 +579,9 @@ impl TcpListenerT {
     pub fn bind(domain: &Domain) -> Result<Self> {
         let opts = domain.options();
         let (sock, a) = accept::bind_tcp(&opts.tcp_bind)?;
-        if let TcpCongestion::Named(name) = &opts.tcp_congestion {
-            // Refused here, where the listener's owner sees it (accepted sockets inherit it);
-            // a refusal per accepted socket would only drop the peers.
-            sys::set_tcp_congestion(sock.as_fd(), name)
-                .map_err(|e| congestion_refused(name, &e))?;
-        }
+        // A refusal of a named algorithm shows here, to the listener's owner, rather than
+        // as dropped peers.
+        congestion_before_connecting(sock.as_fd(), a, &opts.tcp_congestion)?;
         Ok(TcpListenerT {
             queue: AcceptQueue::new(sock, opts.handshake_timeout),
             address: format!("tcp:{a}"),
@@ -610,7 +615,10 @@ impl TcpConnector {
     /// # Errors
     /// [`Error::InvalidArgument`] for an address that does not resolve; [`Error::Io`].
     pub fn connect(address: &str, domain: &Domain) -> Result<Self> {
-        let s = accept::dial_tcp(address, "tcp")?;
+        let policy = &domain.options().tcp_congestion;
+        let s = accept::dial_tcp(address, "tcp", |fd, to| {
+            congestion_before_connecting(fd, to, policy)
+        })?;
         let timeout = domain.options().handshake_timeout;
         Ok(TcpConnector {
             conn: Connecting::dial(s, timeout, ["tcp connect"; 2]),
@@ -1427,14 +1435,7 @@ mod tests {
         let host = host_default();
         let got = congestion_of_a_pair(TcpCongestion::UnpacedOnLoopback).unwrap();
         for cc in &got {
-            if host.starts_with("bbr") {
-                assert!(
-                    cc == "cubic" || cc == "reno",
-                    "a loopback socket kept the pacing {cc:?} (host default {host:?})"
-                );
-            } else {
-                assert_eq!(cc, &host, "a non-pacing host default was replaced");
-            }
+            assert_unpaced(cc, &host, "a loopback connection");
         }
         println!("host default {host:?}, loopback connection: {got:?}");
     }
@@ -1459,6 +1460,48 @@ mod tests {
                 && msg.contains("tcp_allowed_congestion_control"),
             "{msg}"
         );
+    }
+
+    /// What the default policy must leave a socket with, given the host's default.
+    fn assert_unpaced(cc: &str, host: &str, what: &str) {
+        if host.starts_with("bbr") {
+            assert!(
+                cc == "cubic" || cc == "reno",
+                "{what} kept the pacing {cc:?} (host default {host:?})"
+            );
+        } else {
+            assert_eq!(cc, host, "{what}: a non-pacing host default was replaced");
+        }
+    }
+
+    #[test]
+    fn loopback_sockets_are_unpaced_before_they_connect() {
+        let host = host_default();
+        let policy = TcpCongestion::UnpacedOnLoopback;
+        // A loopback listener: the sockets it accepts inherit its algorithm.
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let at = l.local_addr().unwrap();
+        congestion_before_connecting(l.as_fd(), at, &policy).unwrap();
+        assert_unpaced(
+            &sys::tcp_congestion(l.as_fd()).unwrap(),
+            &host,
+            "a loopback listener",
+        );
+        // A socket about to connect to a loopback address: set before `connect`.
+        let mut before = None;
+        let s = sys::tcp_connect_start(at, |fd| {
+            congestion_before_connecting(fd, at, &policy)?;
+            before = Some(sys::tcp_congestion(fd)?);
+            Ok(())
+        })
+        .unwrap();
+        assert_unpaced(&before.unwrap(), &host, "a socket before connecting");
+        drop(s);
+        // A listener on every address cannot know its peers: it keeps the host's.
+        let any = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+        congestion_before_connecting(any.as_fd(), any.local_addr().unwrap(), &policy).unwrap();
+        assert_eq!(sys::tcp_congestion(any.as_fd()).unwrap(), host);
+        println!("host default {host:?}");
     }
 
     #[test]

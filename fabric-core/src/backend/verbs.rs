@@ -1317,7 +1317,7 @@ impl VerbsConnector {
     /// # Errors
     /// [`Error::Unavailable`] without an active RDMA port; address and socket errors.
     pub fn connect(address: &str, domain: &Domain) -> Result<Self> {
-        let s = accept::dial_tcp(address, "verbs")?;
+        let s = accept::dial_tcp(address, "verbs", |_, _| Ok(()))?;
         let timeout = domain.options().handshake_timeout;
         Ok(VerbsConnector {
             conn: Connecting::dial(s, timeout, ["verbs connect", "verbs handshake"]),
