@@ -100,11 +100,7 @@ struct Args {
     /// Largest message for recursive doubling.
     #[arg(long, default_value_t = 32 << 10)]
     rd_max_bytes: usize,
-    /// Ring pipeline chunk (default: 512 KiB for the write ring, 256 KiB for the send ring
-    /// except over tcp; over tcp the send ring moves a segment (the vector / ranks) of up to
-    /// 512 KiB in chunks of up to 256 KiB and larger segments in 64 KiB chunks, which took
-    /// 4-16 MiB vectors faster than larger chunks (BENCHMARKS)). Given, it holds for every
-    /// size.
+    /// Ring pipeline chunk (default: 512 KiB for the write ring, 256 KiB for the send ring).
     #[arg(long)]
     chunk_bytes: Option<usize>,
     /// Ring chunk slots (scratch per rank = slots × chunk).
@@ -1854,25 +1850,6 @@ fn ring_w(comm: &mut Comm, w: &mut WriteRing, b: &Bufs<'_>) -> Res<()> {
     res
 }
 
-/// Largest send-ring chunk over tcp (see [`tcp_ring_chunk`]).
-const TCP_WHOLE_MAX: usize = 256 << 10;
-/// Largest segment the tcp send ring moves in chunks of up to [`TCP_WHOLE_MAX`].
-const TCP_WHOLE_SEG: usize = 512 << 10;
-
-/// The send ring's chunk over tcp for a `bytes` vector on `n` ranks: a segment (the
-/// vector / `n`) of up to 512 KiB goes in chunks of up to 256 KiB (one chunk up to
-/// 256 KiB, two up to 512 KiB); a larger one in 64 KiB chunks. Measured with 2 ranks
-/// (BENCHMARKS, "the tcp ring's chunk"): 256 KiB – 1 MiB vectors took 11–15 % less time than
-/// with 64 KiB chunks; from 2 MiB up, larger chunks than 64 KiB were as fast or slower.
-fn tcp_ring_chunk(bytes: usize, n: usize) -> usize {
-    let seg = (bytes / 4).div_ceil(n.max(1)) * 4;
-    if seg <= TCP_WHOLE_SEG {
-        seg.clamp(4, TCP_WHOLE_MAX)
-    } else {
-        64 << 10
-    }
-}
-
 fn allreduce(comm: &mut Comm, algo: Algo, b: &Bufs<'_>) -> Res<()> {
     match algo {
         Algo::Rd => allreduce_rd(comm, b),
@@ -1943,22 +1920,12 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, oversubscribed: bool) 
             "allreduce: {kind} cannot write into peers' memory; two-sided reduce-scatter instead"
         );
     }
-    let default_chunk = match (rs_write, kind) {
-        (true, _) => 512 << 10,
-        (false, TransportKind::Tcp) => 64 << 10,
-        (false, _) => 256 << 10,
-    };
+    // The send ring's 256 KiB holds over tcp too since the transport's loopback sockets
+    // are unpaced (BENCHMARKS, "the tcp transport's congestion control on loopback": 5 –
+    // 35 % less time than 64 KiB chunks at 2 – 32 MiB; under BBR's pacing, chunks larger
+    // than 64 KiB had driven 2 – 16 MiB vectors into a state 2 – 2.5 × slower).
+    let default_chunk = if rs_write { 512 << 10 } else { 256 << 10 };
     let chunk = (args.chunk_bytes.unwrap_or(default_chunk) / 4).max(1) * 4;
-    // The send ring's chunk per vector size: over tcp by default it follows the segment
-    // (see `tcp_ring_chunk`).
-    let tcp_whole = args.chunk_bytes.is_none() && !rs_write && kind == TransportKind::Tcp;
-    let chunk_for = |bytes: usize| {
-        if tcp_whole {
-            tcp_ring_chunk(bytes, n)
-        } else {
-            chunk
-        }
-    };
     if rs_write {
         comm.wring = Some(WriteRing::setup(&mut comm, chunk, args.slots.max(2))?);
     }
@@ -1982,11 +1949,7 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, oversubscribed: bool) 
         comm.put = Some(Box::new(PutRd::setup(&mut comm, max, args.window)?));
     }
     // The send ring's slots (the write ring has its own, remotely writable).
-    let slot_len = sizes(args.min_bytes, args.max_bytes)
-        .into_iter()
-        .map(chunk_for)
-        .max()
-        .unwrap_or(chunk);
+    let slot_len = chunk;
     let slots: Vec<fabric_core::Region> = (0..if rs_write { 0 } else { args.slots.max(2) })
         .map(|_| domain.register(slot_len, Access::empty()))
         .collect::<fabric_core::Result<_>>()?;
@@ -2026,15 +1989,7 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, oversubscribed: bool) 
             } else {
                 "sends".to_string()
             },
-            if tcp_whole {
-                format!(
-                    "up to {} KiB for segments up to {} KiB, 64 KiB above",
-                    TCP_WHOLE_MAX >> 10,
-                    TCP_WHOLE_SEG >> 10
-                )
-            } else {
-                format!("{chunk} B")
-            },
+            format!("{chunk} B"),
             args.slots.max(2),
             if rs_write { "writes" } else { "sends" },
             if one_sided {
@@ -2087,7 +2042,7 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, oversubscribed: bool) 
             out: &out,
             tmp: &tmp,
             slots: &slots,
-            chunk: chunk_for(bytes),
+            chunk,
             right_out,
             bytes,
         };

@@ -219,14 +219,17 @@ fn correct_for_2_3_4_ranks_over_tcp() {
     correctness("tcp");
 }
 
-/// Over tcp the send ring's default chunk follows the segment: a 1 MiB vector on 2 ranks
-/// goes in chunks of 256 KiB (two per 512 KiB segment), a 2 MiB one in 64 KiB chunks (16 per
-/// segment, more than the 8 slots); 3 ranks give uneven segments on both sides of the
-/// threshold. The header names the rule, and every size is checked.
+/// Over tcp the send ring's default 256 KiB chunks with 2 slots: a 1 MiB vector on 2 ranks
+/// goes in two chunks per 512 KiB segment (as many as the slots), a 2 MiB one in four (more
+/// chunks than slots, so slots are reused within a segment); 3 ranks give uneven segments
+/// and a last chunk shorter than the others. The header names the chunk, and every size is
+/// checked.
 #[test]
-fn tcp_default_chunks_on_both_sides_of_the_segment_threshold() {
+fn tcp_send_ring_reuses_its_slots_within_a_segment() {
     for ranks in ["2", "3"] {
         let args = [
+            "--slots",
+            "2",
             "--ranks",
             ranks,
             "--transport",
@@ -246,7 +249,7 @@ fn tcp_default_chunks_on_both_sides_of_the_segment_threshold() {
         let rows = rows_in(&args, &out);
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(
-            stdout.contains("ring chunk up to 256 KiB for segments up to 512 KiB, 64 KiB above"),
+            stdout.contains("ring chunk 262144 B, 2 slots"),
             "{stdout}"
         );
         assert_table(
