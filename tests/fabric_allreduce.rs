@@ -248,10 +248,7 @@ fn tcp_send_ring_reuses_its_slots_within_a_segment() {
         };
         let rows = rows_in(&args, &out);
         let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            stdout.contains("ring chunk 262144 B, 2 slots"),
-            "{stdout}"
-        );
+        assert!(stdout.contains("ring chunk 262144 B, 2 slots"), "{stdout}");
         assert_table(
             &rows,
             1 << 20,
