@@ -5,7 +5,11 @@
 #   bench/allreduce-vs-mpi.sh                 # 2 ranks, 4 B .. 256 MiB
 #   RANKS=4 MAX_BYTES=16777216 bench/allreduce-vs-mpi.sh
 #
-# Environment: RANKS (2), MIN_BYTES (4), MAX_BYTES (268435456), ITERS / WARMUP (default:
+# Environment: RANKS (2), MIN_BYTES (4), MAX_BYTES (268435456), ROUNDS (3: each program's
+# sweep runs this many times, the two programs alternating and taking turns to go first; per
+# size the fastest round of each program is compared, and the range over the rounds is
+# printed under the table — on a host whose speed moves in steps between minutes, a single
+# sweep of each compares two different hosts), ITERS / WARMUP (default:
 # scaled with the size, the same formula in both programs), TRANSPORTS ("shm tcp"),
 # OUT (a directory for the raw tables; default a temporary one), OURS_ARGS (extra arguments
 # for examples/allreduce only, e.g. "--rs send" for the two-sided reduce-scatter on shm,
@@ -29,6 +33,7 @@ set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 ROOT="$(cd "$HERE/.." && pwd)"
 RANKS="${RANKS:-2}"
+ROUNDS="${ROUNDS:-3}"
 MIN_BYTES="${MIN_BYTES:-4}"
 MAX_BYTES="${MAX_BYTES:-268435456}"
 TRANSPORTS="${TRANSPORTS:-shm tcp}"
@@ -77,11 +82,26 @@ for t in $TRANSPORTS; do
     tcp) btl=(--mca btl self,tcp --mca btl_tcp_if_include lo) ;;
     *) log "unknown transport $t (shm, tcp)"; exit 2 ;;
   esac
-  log "$t: Open MPI, $RANKS ranks"
-  "${PRIO[@]}" "${MPIRUN[@]}" "${btl[@]}" "$OUT/mpi_allreduce" "${common[@]}" >"$OUT/mpi-$t.txt"
-  log "$t: fabric allreduce, $RANKS ranks${OURS_ARGS:+ ($OURS_ARGS)}"
-  # shellcheck disable=SC2086 # OURS_ARGS is a list of arguments
-  "${PRIO[@]}" "$OURS" --ranks "$RANKS" --transport "$t" "${common[@]}" ${OURS_ARGS:-} >"$OUT/ours-$t.txt"
+  run_mpi() {
+    log "$t: Open MPI, $RANKS ranks (round $1 of $ROUNDS)"
+    "${PRIO[@]}" "${MPIRUN[@]}" "${btl[@]}" "$OUT/mpi_allreduce" "${common[@]}" >"$OUT/mpi-$t.$1.txt"
+  }
+  run_ours() {
+    log "$t: fabric allreduce, $RANKS ranks${OURS_ARGS:+ ($OURS_ARGS)} (round $1 of $ROUNDS)"
+    # shellcheck disable=SC2086 # OURS_ARGS is a list of arguments
+    "${PRIO[@]}" "$OURS" --ranks "$RANKS" --transport "$t" "${common[@]}" ${OURS_ARGS:-} >"$OUT/ours-$t.$1.txt"
+  }
+  for r in $(seq 1 "$ROUNDS"); do
+    if [ $((r % 2)) = 1 ]; then run_mpi "$r"; run_ours "$r"; else run_ours "$r"; run_mpi "$r"; fi
+  done
+  # Per size, the row of the fastest round (time in column 5), in the sizes' order.
+  for p in mpi ours; do
+    awk '/^ *[0-9]/ {
+        if (!($1 in t)) order[++n] = $1
+        if (!($1 in t) || $5 + 0 < t[$1]) { t[$1] = $5 + 0; row[$1] = $0 }
+      }
+      END { for (i = 1; i <= n; i++) print row[order[i]] }' "$OUT/$p-$t".[0-9]*.txt >"$OUT/$p-$t.txt"
+  done
 done
 
 # Side by side: rows are "size count iters algo time algbw busbw check".
@@ -112,4 +132,21 @@ for t in $TRANSPORTS; do
       }
     }' "$OUT/mpi-$t.txt" "$OUT/ours-$t.txt"
 done
+if [ "$ROUNDS" -gt 1 ]; then
+  echo "# times over the $ROUNDS rounds (us, fastest - slowest); the table above compares the fastest"
+  printf '%-9s %10s %23s %23s\n' transport "size(B)" "ours" "mpi"
+  for t in $TRANSPORTS; do
+    for p in ours mpi; do
+      awk -v p="$p" '/^ *[0-9]/ {
+          if (!($1 in lo)) { order[++n] = $1; lo[$1] = $5 + 0; hi[$1] = $5 + 0 }
+          if ($5 + 0 < lo[$1]) lo[$1] = $5 + 0
+          if ($5 + 0 > hi[$1]) hi[$1] = $5 + 0
+        }
+        END { for (i = 1; i <= n; i++) printf "%s %s %.2f-%.2f\n", order[i], p, lo[order[i]], hi[order[i]] }' \
+        "$OUT/$p-$t".[0-9]*.txt
+    done | awk -v t="$t" '
+      { if (!($1 in r)) order[++n] = $1; r[$1, $2] = $3; r[$1] = 1 }
+      END { for (i = 1; i <= n; i++) printf "%-9s %10s %23s %23s\n", t, order[i], r[order[i], "ours"], r[order[i], "mpi"] }'
+  done
+fi
 log "raw tables in $OUT"
