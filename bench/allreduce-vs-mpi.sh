@@ -21,7 +21,8 @@
 # ranks their CPUs; it is not an idle host).
 #
 # Installs Debian's openmpi-bin and libopenmpi-dev when mpicc/mpirun are missing (apt-get),
-# builds bench/mpi_allreduce.c with mpicc and the example with cargo (release).
+# builds bench/mpi_allreduce.c with mpicc, bench/core_to_core.c with cc and the example with
+# cargo (release).
 # Open MPI runs with the ob1 PML and the vader BTL for shared memory, the tcp BTL on
 # loopback for TCP; both programs pin each rank to a CPU of its own when there are enough.
 #
@@ -49,8 +50,14 @@ if ! command -v mpicc >/dev/null || ! command -v mpirun >/dev/null; then
     || { "${SUDO[@]}" apt-get update >/dev/null && "${SUDO[@]}" apt-get install -y openmpi-bin libopenmpi-dev >/dev/null; }
 fi
 
-log "building bench/mpi_allreduce.c and examples/allreduce (release)"
+log "building bench/mpi_allreduce.c, bench/core_to_core.c and examples/allreduce (release)"
 mpicc -O2 -Wall -o "$OUT/mpi_allreduce" "$HERE/mpi_allreduce.c"
+"${CC:-cc}" -O2 -Wall -pthread -o "$OUT/core_to_core" "$HERE/core_to_core.c"
+# The first two CPUs this script may use (the ranks' CPUs when both programs pin 2 ranks).
+read -r CPU_A CPU_B < <(taskset -pc $$ | sed 's/.*: //' | awk -F, '{ split($1, r, "-"); a = r[1]; b = (r[2] != "" ? a + 1 : $2); print a, b }')
+# The round trip of a cache line between those CPUs (ns; bench/core_to_core.c says why).
+c2c() { "$OUT/core_to_core" "$CPU_A" "$CPU_B" 2>/dev/null || echo "?"; }
+: >"$OUT/c2c.txt"
 if [ -n "${OURS_BIN:-}" ]; then
   OURS="$OURS_BIN"
 else
@@ -84,12 +91,16 @@ for t in $TRANSPORTS; do
   esac
   run_mpi() {
     log "$t: Open MPI, $RANKS ranks (round $1 of $ROUNDS)"
+    local before; before=$(c2c)
     "${PRIO[@]}" "${MPIRUN[@]}" "${btl[@]}" "$OUT/mpi_allreduce" "${common[@]}" >"$OUT/mpi-$t.$1.txt"
+    echo "$t $1 mpi $before/$(c2c)" >>"$OUT/c2c.txt"
   }
   run_ours() {
     log "$t: fabric allreduce, $RANKS ranks${OURS_ARGS:+ ($OURS_ARGS)} (round $1 of $ROUNDS)"
+    local before; before=$(c2c)
     # shellcheck disable=SC2086 # OURS_ARGS is a list of arguments
     "${PRIO[@]}" "$OURS" --ranks "$RANKS" --transport "$t" "${common[@]}" ${OURS_ARGS:-} >"$OUT/ours-$t.$1.txt"
+    echo "$t $1 ours $before/$(c2c)" >>"$OUT/c2c.txt"
   }
   for r in $(seq 1 "$ROUNDS"); do
     if [ $((r % 2)) = 1 ]; then run_mpi "$r"; run_ours "$r"; else run_ours "$r"; run_mpi "$r"; fi
@@ -149,4 +160,7 @@ if [ "$ROUNDS" -gt 1 ]; then
       END { for (i = 1; i <= n; i++) printf "%-9s %10s %23s %23s\n", t, order[i], r[order[i], "ours"], r[order[i], "mpi"] }'
   done
 fi
+echo "# core-to-core round trip between CPUs $CPU_A and $CPU_B (ns, bench/core_to_core.c) before/after each sweep; a sweep far above the others ran with the CPUs far apart"
+awk '{ k = $1 " round " $2; if (!(k in line)) order[++n] = k; line[k] = line[k] sprintf(" %s %s", $3, $4) }
+  END { for (i = 1; i <= n; i++) print "#   " order[i] ":" line[order[i]] }' "$OUT/c2c.txt"
 log "raw tables in $OUT"

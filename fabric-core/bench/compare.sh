@@ -31,6 +31,13 @@ BW=target/release/examples/bandwidth
 port=$((20000 + RANDOM % 20000))
 # Both sides pinned to two different CPUs, like our examples pin themselves and their peer.
 read -r CPU_A CPU_B < <(taskset -pc $$ | sed 's/.*: //' | awk -F, '{ split($1, r, "-"); a = r[1]; b = (r[2] != "" ? a + 1 : $2); print a, b }')
+# The round trip of a cache line between those two CPUs (ns), printed after each run's raw
+# line: a virtual machine's CPUs can land near or far apart on the host, which moves every
+# figure here (bench/core_to_core.c); "?" without a C compiler.
+C2C=$(mktemp /tmp/core_to_core.XXXXXX)
+trap 'rm -f "$C2C"' EXIT
+"${CC:-cc}" -O2 -pthread -o "$C2C" bench/core_to_core.c 2>/dev/null || : >"$C2C"
+c2c() { { [ -s "$C2C" ] && "$C2C" "$CPU_A" "$CPU_B" 2>/dev/null; } || echo "?"; }
 
 # ucx TLS TEST SIZE ITERS [WARMUP] -> "median_latency_us overall_bw_MiBs" (WARMUP: UCX's
 # default when not given)
@@ -44,14 +51,14 @@ ucx() {
   r0=$(retrans)
   out=$(UCX_TLS=$tls timeout 300 taskset -c "$CPU_B" ucx_perftest localhost -p "$port" -t "$test" -s "$size" -n "$n" "${w[@]}" 2>&1 | grep '^Final:' || true)
   wait "$srv" 2>/dev/null || true
-  echo "ucx $tls $test $size: $out (tcp retransmissions: $(since "$r0"))" >&2
+  echo "ucx $tls $test $size: $out (tcp retransmissions: $(since "$r0"); core-to-core $(c2c) ns)" >&2
   echo "$out" | awk '{print $3, $7}'
 }
 # ours_lat TRANSPORT SIZE ITERS -> median one-way latency (us)
 ours_lat() {
   local out
   out=$(FABRIC_TRANSPORT=$1 "$PP" --min-size "$2" --max-size "$2" --iters "$3" --no-bw </dev/null)
-  echo "ours $1 lat $2: $(echo "$out" | tail -1)" >&2
+  echo "ours $1 lat $2: $(echo "$out" | tail -1) (core-to-core $(c2c) ns)" >&2
   echo "$out" | awk -v s="$2" '$1 == s {print $3}'
 }
 # TCP segments this host retransmitted so far (`nstat`, iproute2), or "?" without it. On
@@ -65,7 +72,7 @@ ours_bw() {
   local out r0
   r0=$(retrans)
   out=$(FABRIC_TRANSPORT=$1 "$BW" --modes send --min-size "$2" --max-size "$2" --iters "$3" --warmup "$BW_WARMUP" --trials 1 </dev/null)
-  echo "ours $1 bw $2: $(echo "$out" | tail -1) (tcp retransmissions: $(since "$r0"))" >&2
+  echo "ours $1 bw $2: $(echo "$out" | tail -1) (tcp retransmissions: $(since "$r0"); core-to-core $(c2c) ns)" >&2
   echo "$out" | awk -v s="$2" '$1 == s {print $2, $3}'
 }
 # best FN... -> runs the measurement TRIALS times; prints the lowest (lat) or highest (bw)
@@ -89,7 +96,7 @@ ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else
 
 # TCP's congestion control decides the loopback streaming figures (BBR paces; see retrans).
 CC=$(cat /proc/sys/net/ipv4/tcp_congestion_control 2>/dev/null || echo unknown)
-echo "Measured $(date -u +%Y-%m-%dT%H:%MZ) on $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg), TCP congestion control $CC (fabric tcp on loopback: ${FABRIC_TCP_CONGESTION:-unpaced-on-loopback}); command: bash fabric-core/bench/compare.sh (ITERS=$ITERS BW_ITERS=$BW_ITERS BW_WARMUP=$BW_WARMUP TRIALS=$TRIALS)"
+echo "Measured $(date -u +%Y-%m-%dT%H:%MZ) on $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg), TCP congestion control $CC (fabric tcp on loopback: ${FABRIC_TCP_CONGESTION:-unpaced-on-loopback}), core-to-core round trip $(c2c) ns; command: bash fabric-core/bench/compare.sh (ITERS=$ITERS BW_ITERS=$BW_ITERS BW_WARMUP=$BW_WARMUP TRIALS=$TRIALS)"
 echo
 echo "| transport | figure | size | ours | reference | ratio ours/ref | target (issue 12) |"
 echo "| --- | --- | ---: | ---: | ---: | ---: | --- |"
