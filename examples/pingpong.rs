@@ -50,7 +50,7 @@ fn measure(args: &Args, mut peer: Peer) -> Result<(), Box<dyn std::error::Error>
     let sizes = perf::sizes(args.min_size, max);
     println!(
         "fabric pingpong: transport {kind} on the {engine} (in order: {}, one-sided: {}, atomics: {}); \
-         latency = half round trip, BW = streaming sends, {} in flight",
+         latency = half a round trip (whole iterations timed, as ucx_perftest does), BW = streaming sends, {} in flight",
         caps.ordering == fabric_core::MessageOrdering::InOrder,
         caps.one_sided,
         caps.atomics,

@@ -6,7 +6,8 @@
 #   ITERS=20000 BW_ITERS=400 BW_WARMUP=400 bash fabric-core/bench/compare.sh
 #
 # Latency: median one-way (half round trip) of ping-pong, ours (`pingpong` "t_typical")
-# vs UCX tag_lat "50.0%ile". Bandwidth: streaming two-sided sends, ours (`bandwidth`
+# vs UCX tag_lat "50.0%ile", both timing whole iterations (one clock read per round trip).
+# Bandwidth: streaming two-sided sends, ours (`bandwidth`
 # "send", one trial per run) vs UCX tag_bw "overall" (UCX prints MB/s = 2^20 bytes/s), and vs
 # `memcpy` measured by the same `bandwidth` run. Every program gets the same number of
 # samples: TRIALS (default 3) runs of one measurement each. Against UCX the best of each
