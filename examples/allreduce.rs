@@ -1974,7 +1974,7 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, oversubscribed: bool) 
     if rank == 0 {
         println!(
             "# fabric allreduce: {n} ranks, transport {kind}, f32 sum, out of place; \
-             rd up to {} B ({}), ring chunk {}, {} slots, reduce-scatter by {}{}; \
+             rd up to {} B ({}), ring chunk {chunk} B, {} slots, reduce-scatter by {}{}; \
              waits {}",
             args.rd_max_bytes,
             if rd_put {
@@ -1989,7 +1989,6 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, oversubscribed: bool) 
             } else {
                 "sends".to_string()
             },
-            format!("{chunk} B"),
             args.slots.max(2),
             if rs_write { "writes" } else { "sends" },
             if one_sided {
