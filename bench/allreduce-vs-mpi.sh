@@ -6,10 +6,13 @@
 #   RANKS=4 MAX_BYTES=16777216 bench/allreduce-vs-mpi.sh
 #
 # Environment: RANKS (2), MIN_BYTES (4), MAX_BYTES (268435456), ROUNDS (3: each program's
-# sweep runs this many times, the two programs alternating and taking turns to go first; per
-# size the fastest round of each program is compared, and the range over the rounds is
-# printed under the table — on a host whose speed moves in steps between minutes, a single
-# sweep of each compares two different hosts), ITERS / WARMUP (default:
+# sweep runs at least this many times, the two programs alternating and taking turns to go
+# first; on a host whose speed moves in steps between minutes, a single sweep of each
+# compares two different hosts), MAX_ROUNDS (9: more rounds are run, up to this many, until
+# each program has a sweep with its CPUs near each other: bench/core_to_core.c before and
+# after it within twice the lowest figure of the run; only such sweeps are compared when
+# there are, and per size the fastest of them; the range over all rounds is printed under
+# the table), ITERS / WARMUP (default:
 # scaled with the size, the same formula in both programs), TRANSPORTS ("shm tcp"),
 # OUT (a directory for the raw tables; default a temporary one), OURS_ARGS (extra arguments
 # for examples/allreduce only, e.g. "--rs send" for the two-sided reduce-scatter on shm,
@@ -35,6 +38,8 @@ HERE="$(cd "$(dirname "$0")" && pwd)"
 ROOT="$(cd "$HERE/.." && pwd)"
 RANKS="${RANKS:-2}"
 ROUNDS="${ROUNDS:-3}"
+MAX_ROUNDS="${MAX_ROUNDS:-9}"
+[ "$MAX_ROUNDS" -ge "$ROUNDS" ] || MAX_ROUNDS=$ROUNDS
 MIN_BYTES="${MIN_BYTES:-4}"
 MAX_BYTES="${MAX_BYTES:-268435456}"
 TRANSPORTS="${TRANSPORTS:-shm tcp}"
@@ -58,6 +63,17 @@ read -r CPU_A CPU_B < <(taskset -pc $$ | sed 's/.*: //' | awk -F, '{ split($1, r
 # The round trip of a cache line between those CPUs (ns; bench/core_to_core.c says why).
 c2c() { "$OUT/core_to_core" "$CPU_A" "$CPU_B" 2>/dev/null || echo "?"; }
 : >"$OUT/c2c.txt"
+: >"$OUT/selected.txt"
+# near_rounds T P -> the rounds of program P on transport T whose probe before and after
+# stayed within twice the lowest probe of this run so far ("?", no probe, counts as near).
+near_rounds() {
+  awk -v t="$1" -v p="$2" '
+    { split($4, v, "/"); b[NR] = v[1]; a[NR] = v[2]; tr[NR] = $1; r[NR] = $2; pr[NR] = $3
+      for (i = 1; i <= 2; i++) if (v[i] != "?" && (min == "" || v[i] + 0 < min)) min = v[i] + 0 }
+    END { for (i = 1; i <= NR; i++)
+            if (tr[i] == t && pr[i] == p && (b[i] == "?" || b[i] <= 2 * min) && (a[i] == "?" || a[i] <= 2 * min))
+              printf "%s ", r[i] }' "$OUT/c2c.txt"
+}
 if [ -n "${OURS_BIN:-}" ]; then
   OURS="$OURS_BIN"
 else
@@ -90,28 +106,44 @@ for t in $TRANSPORTS; do
     *) log "unknown transport $t (shm, tcp)"; exit 2 ;;
   esac
   run_mpi() {
-    log "$t: Open MPI, $RANKS ranks (round $1 of $ROUNDS)"
+    log "$t: Open MPI, $RANKS ranks (round $1)"
     local before; before=$(c2c)
     "${PRIO[@]}" "${MPIRUN[@]}" "${btl[@]}" "$OUT/mpi_allreduce" "${common[@]}" >"$OUT/mpi-$t.$1.txt"
     echo "$t $1 mpi $before/$(c2c)" >>"$OUT/c2c.txt"
   }
   run_ours() {
-    log "$t: fabric allreduce, $RANKS ranks${OURS_ARGS:+ ($OURS_ARGS)} (round $1 of $ROUNDS)"
+    log "$t: fabric allreduce, $RANKS ranks${OURS_ARGS:+ ($OURS_ARGS)} (round $1)"
     local before; before=$(c2c)
     # shellcheck disable=SC2086 # OURS_ARGS is a list of arguments
     "${PRIO[@]}" "$OURS" --ranks "$RANKS" --transport "$t" "${common[@]}" ${OURS_ARGS:-} >"$OUT/ours-$t.$1.txt"
     echo "$t $1 ours $before/$(c2c)" >>"$OUT/c2c.txt"
   }
-  for r in $(seq 1 "$ROUNDS"); do
+  r=0
+  while :; do
+    r=$((r + 1))
     if [ $((r % 2)) = 1 ]; then run_mpi "$r"; run_ours "$r"; else run_ours "$r"; run_mpi "$r"; fi
+    [ "$r" -ge "$ROUNDS" ] || continue
+    [ -n "$(near_rounds "$t" mpi)" ] && [ -n "$(near_rounds "$t" ours)" ] && break
+    if [ "$r" -ge "$MAX_ROUNDS" ]; then
+      log "$t: after $r rounds a program has no sweep with its CPUs near each other: all rounds compared"
+      break
+    fi
   done
-  # Per size, the row of the fastest round (time in column 5), in the sizes' order.
+  # Per size, the row of the fastest selected round (time in column 5), in the sizes' order.
   for p in mpi ours; do
+    sel=$(near_rounds "$t" "$p")
+    files=()
+    if [ -n "$sel" ]; then
+      for x in $sel; do files+=("$OUT/$p-$t.$x.txt"); done
+    else
+      files=("$OUT/$p-$t".[0-9]*.txt)
+    fi
+    echo "$t $p ${sel:-all (none near)}" >>"$OUT/selected.txt"
     awk '/^ *[0-9]/ {
         if (!($1 in t)) order[++n] = $1
         if (!($1 in t) || $5 + 0 < t[$1]) { t[$1] = $5 + 0; row[$1] = $0 }
       }
-      END { for (i = 1; i <= n; i++) print row[order[i]] }' "$OUT/$p-$t".[0-9]*.txt >"$OUT/$p-$t.txt"
+      END { for (i = 1; i <= n; i++) print row[order[i]] }' "${files[@]}" >"$OUT/$p-$t.txt"
   done
 done
 
@@ -143,8 +175,10 @@ for t in $TRANSPORTS; do
       }
     }' "$OUT/mpi-$t.txt" "$OUT/ours-$t.txt"
 done
-if [ "$ROUNDS" -gt 1 ]; then
-  echo "# times over the $ROUNDS rounds (us, fastest - slowest); the table above compares the fastest"
+echo "# rounds compared (probe before and after within twice this run's lowest, $(awk '{ split($4, v, "/"); for (i = 1; i <= 2; i++) if (v[i] ~ /^[0-9]+$/ && (m == "" || v[i] + 0 < m)) m = v[i] + 0 }
+  END { print (m == "" ? "?" : m) }' "$OUT/c2c.txt") ns):$(awk '{ t = $1; p = $2; $1 = ""; $2 = ""; sub(/^ +/, ""); printf " %s %s: %s;", t, p, $0 }' "$OUT/selected.txt")"
+if [ "$(wc -l <"$OUT/c2c.txt")" -gt 2 ]; then
+  echo "# times over all rounds (us, fastest - slowest)"
   printf '%-9s %10s %23s %23s\n' transport "size(B)" "ours" "mpi"
   for t in $TRANSPORTS; do
     for p in ours mpi; do
