@@ -575,7 +575,9 @@ impl TcpListenerT {
     /// Binds.
     ///
     /// # Errors
-    /// [`Error::Io`] when the address cannot be bound.
+    /// [`Error::Io`] when the address cannot be bound; [`Error::InvalidArgument`] when
+    /// [`Options::tcp_congestion`](super::Options::tcp_congestion) names an algorithm the
+    /// kernel refuses.
     pub fn bind(domain: &Domain) -> Result<Self> {
         let opts = domain.options();
         let (sock, a) = accept::bind_tcp(&opts.tcp_bind)?;
@@ -613,7 +615,9 @@ impl TcpConnector {
     /// Starts a non-blocking connect.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for an address that does not resolve; [`Error::Io`].
+    /// [`Error::InvalidArgument`] for an address that does not resolve, or when
+    /// [`Options::tcp_congestion`](super::Options::tcp_congestion) names an algorithm the
+    /// kernel refuses; [`Error::Io`].
     pub fn connect(address: &str, domain: &Domain) -> Result<Self> {
         let policy = &domain.options().tcp_congestion;
         let s = accept::dial_tcp(address, "tcp", |fd, to| {
