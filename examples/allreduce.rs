@@ -1949,9 +1949,8 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, oversubscribed: bool) 
         comm.put = Some(Box::new(PutRd::setup(&mut comm, max, args.window)?));
     }
     // The send ring's slots (the write ring has its own, remotely writable).
-    let slot_len = chunk;
     let slots: Vec<fabric_core::Region> = (0..if rs_write { 0 } else { args.slots.max(2) })
-        .map(|_| domain.register(slot_len, Access::empty()))
+        .map(|_| domain.register(chunk, Access::empty()))
         .collect::<fabric_core::Result<_>>()?;
     let tmp = domain.register(
         args.rd_max_bytes.max(4).min(args.max_bytes.max(4)),
