@@ -1,8 +1,10 @@
 /* core_to_core.c — the round trip of one cache line between two CPUs, in nanoseconds.
  *
  *   cc -O2 -pthread -o core_to_core bench/core_to_core.c
- *   ./core_to_core CPU_A CPU_B [ROUND_TRIPS]      # prints e.g. "62"
+ *   ./core_to_core [CPU_A CPU_B [ROUND_TRIPS]]    # prints e.g. "62"
  *
+ * Without CPUs it takes the first two this process may run on (its affinity mask): the two
+ * that the benchmarks' pinned pairs use.
  * Two threads, pinned to CPU_A and CPU_B, hand a counter back and forth through one
  * 64-byte-aligned atomic word; the figure is the median of 9 batches of ROUND_TRIPS
  * (default 20,000) round trips. Every shm transfer and every loopback TCP segment between
@@ -57,12 +59,27 @@ static int cmp(const void *a, const void *b) {
 }
 
 int main(int argc, char **argv) {
-  if (argc < 3) {
-    fprintf(stderr, "usage: %s CPU_A CPU_B [ROUND_TRIPS]\n", argv[0]);
+  int cpu_a = -1;
+  cpu_b = -1;
+  if (argc >= 3) {
+    cpu_a = atoi(argv[1]);
+    cpu_b = atoi(argv[2]);
+  } else if (argc == 1) {
+    cpu_set_t mine;
+    if (sched_getaffinity(0, sizeof mine, &mine) == 0) {
+      for (int c = 0; c < CPU_SETSIZE && cpu_b < 0; c++) {
+        if (!CPU_ISSET(c, &mine)) continue;
+        if (cpu_a < 0) cpu_a = c; else cpu_b = c;
+      }
+    }
+    if (cpu_b < 0) {
+      fprintf(stderr, "core_to_core: fewer than two CPUs to run on\n");
+      return 1;
+    }
+  } else {
+    fprintf(stderr, "usage: %s [CPU_A CPU_B [ROUND_TRIPS]]\n", argv[0]);
     return 2;
   }
-  int cpu_a = atoi(argv[1]);
-  cpu_b = atoi(argv[2]);
   if (argc > 3) trips = atol(argv[3]);
   if (trips < 1) trips = 1;
   if (pin(cpu_a) != 0) {
