@@ -50,10 +50,11 @@ fn measure(args: &Args, mut peer: Peer) -> Result<(), Box<dyn std::error::Error>
     let sizes = perf::sizes(args.min_size, max);
     println!(
         "fabric pingpong: transport {kind} on the {engine} (in order: {}, one-sided: {}, atomics: {}); \
-         latency = half a round trip (whole iterations timed, as ucx_perftest does), BW = streaming sends, {} in flight",
+         latency = half a round trip (whole iterations timed, as ucx_perftest does, with the {}), BW = streaming sends, {} in flight",
         caps.ordering == fabric_core::MessageOrdering::InOrder,
         caps.one_sided,
         caps.atomics,
+        ini.clock().name(),
         perf::WINDOW
     );
     let pb = if std::io::stdout().is_terminal() {

@@ -3,6 +3,7 @@
 #![deny(unsafe_code)]
 
 pub mod cli;
+pub mod clock;
 
 pub mod perf;
 pub mod pingpong_wire;

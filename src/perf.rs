@@ -16,6 +16,8 @@
 
 use std::time::{Duration, Instant};
 
+use crate::clock::Clock;
+
 use fabric_core::{
     Access, AlignedBuf, Buf, Completion, EndpointId, Error, Event, OpKind, Region, RemoteKey,
     Status, Transport, TransportKind, Worker,
@@ -477,6 +479,7 @@ pub struct Initiator {
     scratch: Region,
     remote: RemoteKey,
     slot: usize,
+    clock: Clock,
 }
 
 impl Initiator {
@@ -509,7 +512,13 @@ impl Initiator {
             scratch,
             remote,
             slot,
+            clock: Clock::new(),
         })
+    }
+
+    /// What ping-pong latencies are timed with (for a report's header).
+    pub fn clock(&self) -> &Clock {
+        &self.clock
     }
 
     /// The peer in use (its connection, and whether a worker drives it).
@@ -545,12 +554,21 @@ impl Initiator {
         // perftest measure. (Until 2026-12-06 a sample ran from before the send to the echo's
         // completion, which left this side's repost of the receive and the send's completion
         // out of the figure: 0.16 µs at 8 B over shm where a whole iteration takes 0.17–0.18.)
-        let mut last = Instant::now();
+        // The clock is the reference's kind too: the time-stamp counter where the kernel
+        // trusts it (`crate::clock`), as `ucx_perftest` and perftest read it.
+        let clock = self.clock;
+        // The echo's buffer goes back to the receive queue after the next ping is sent, as
+        // `ucx_perftest` posts its receive after its send: bookkeeping stays off the round
+        // trip's critical path (the other `WINDOW - 1` receives stay posted meanwhile).
+        let mut echoed: Option<Buf> = None;
+        let mut last = clock.now();
         for _ in 0..iters {
             self.peer.send(self.tx.slice(0, size)?, 1)?;
-            let mut got_recv = false;
+            if let Some(b) = echoed.take() {
+                repost(&mut self.peer, b, self.slot)?;
+            }
             let mut got_send = false;
-            while !got_recv || !got_send {
+            while echoed.is_none() || !got_send {
                 let c = self.peer.next_completion()?;
                 match c.op {
                     OpKind::Send => got_send = true,
@@ -558,15 +576,17 @@ impl Initiator {
                         if c.len != size {
                             return Err(err(format!("echo of {} bytes, sent {size}", c.len)));
                         }
-                        got_recv = true;
-                        repost(&mut self.peer, c.buf.expect("buf"), self.slot)?;
+                        echoed = Some(c.buf.expect("buf"));
                     }
                     _ => return Err(err("unexpected completion")),
                 }
             }
-            let now = Instant::now();
-            samples.push((now - last).as_secs_f64() * 1e6 / 2.0);
+            let now = clock.now();
+            samples.push(clock.micros(last, now) / 2.0);
             last = now;
+        }
+        if let Some(b) = echoed {
+            repost(&mut self.peer, b, self.slot)?;
         }
         samples.sort_by(|a, b| a.total_cmp(b));
         let med = samples[samples.len() / 2];
@@ -698,7 +718,7 @@ fn mib_s_figure(b: f64) -> String {
 pub fn print_row(r: &Row) {
     let bw = r.bw_mib_s.map_or("-".to_string(), mib_s_figure);
     println!(
-        "{:>10} {:>8} {:>14.2} {:>12.2} {:>14}",
+        "{:>10} {:>8} {:>14.3} {:>12.3} {:>14}",
         r.size, r.iters, r.lat_typical_us, r.lat_p99_us, bw
     );
 }

@@ -19,6 +19,8 @@
 //!
 //! `HOTPATH_ECHO=1`: B replies out of the buffer it received into, as `src/perf.rs`'s
 //! responder does (so on shm the reply goes by rendezvous only from fabric-core memory);
+//! `HOTPATH_EMPTY=N`: afterwards, N polls of the idle connection (difference two values of
+//! N for the cost of one pass that finds nothing, what a waiting side repeats);
 //! `HOTPATH_RECV=fabric`: receive buffers are fabric-core memory instead of the caller's.
 
 use std::time::Duration;
@@ -145,7 +147,19 @@ fn run() -> Result<(), Error> {
         while a.poll(&mut out)? > 0 {}
         while b.poll(&mut out)? > 0 {}
     }
-    println!("{kind} size {size} round_trips {iters} empty_polls {empty}");
+    // `HOTPATH_EMPTY=N`: N polls of an idle connection (the cost of a waiting side's pass).
+    let idle: u64 = std::env::var("HOTPATH_EMPTY")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    for _ in 0..idle {
+        if a.poll(&mut out)? != 0 {
+            return Err(Error::Protocol(
+                "an idle connection completed something".into(),
+            ));
+        }
+    }
+    println!("{kind} size {size} round_trips {iters} empty_polls {empty} idle_polls {idle}");
     Ok(())
 }
 
