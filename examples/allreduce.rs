@@ -1895,13 +1895,33 @@ fn allreduce(comm: &mut Comm, algo: Algo, b: &Bufs<'_>) -> Res<()> {
 // ---------------------------------------------------------------------------------------
 // The benchmark.
 
-/// This rank's input element `i` (small integers: every sum is exact in f32).
-fn input(rank: usize, i: usize) -> f32 {
-    ((i % 997) + 3 * rank + 1) as f32
+/// This rank's input element `i` in `round` (0: the timed operations, 1: the checked one);
+/// small integers: every sum is exact in f32.
+fn input(rank: usize, i: usize, round: usize) -> f32 {
+    ((i % 997) + 3 * rank + 1 + 2 * round) as f32
 }
 
-fn expected(n: usize, i: usize) -> f32 {
-    (n * (i % 997) + 3 * n * (n - 1) / 2 + n) as f32
+fn expected(n: usize, i: usize, round: usize) -> f32 {
+    (n * (i % 997) + 3 * n * (n - 1) / 2 + n + 2 * n * round) as f32
+}
+
+/// Rewrites this rank's input for `round` in place (1 MiB at a time), with `--inject-error`'s
+/// wrong element where it was.
+fn write_input(send: &fabric_core::Region, rank: usize, round: usize, wrong: bool) -> Res<()> {
+    let count = send.len() / 4;
+    let mut buf = Vec::with_capacity((1 << 20).min(send.len()));
+    let mut i = 0;
+    while i < count {
+        buf.clear();
+        let end = (i + (1 << 18)).min(count);
+        for j in i..end {
+            let v = input(rank, j, round) + if wrong && j == count / 2 { 1.0 } else { 0.0 };
+            buf.extend_from_slice(&v.to_ne_bytes());
+        }
+        send.write_at(i * 4, &buf)?;
+        i = end;
+    }
+    Ok(())
 }
 
 fn default_iters(bytes: usize) -> usize {
@@ -2053,8 +2073,9 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, oversubscribed: bool) 
             return Err(format!("--algo rd needs --rd-max-bytes >= {bytes}").into());
         }
         // The caller's own memory, registered in place.
-        let mut input_v: Vec<f32> = (0..count).map(|i| input(rank, i)).collect();
-        if args.inject_error && rank == n - 1 {
+        let wrong = args.inject_error && rank == n - 1;
+        let mut input_v: Vec<f32> = (0..count).map(|i| input(rank, i, 0)).collect();
+        if wrong {
             input_v[count / 2] += 1.0;
         }
         let out_access = if one_sided && algo == Algo::Ring {
@@ -2090,8 +2111,11 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, oversubscribed: bool) 
         }
         let us = t0.elapsed().as_secs_f64() * 1e6 / iters as f64;
         let checked = if args.check {
-            // Poison the output, run once more, compare every element.
+            // Poison the output, change the input, run once more, compare every element: a
+            // reduction that read anything left over from the timed operations (a slot
+            // reused too early, or read at the wrong place) sums the old values.
             out.fill(0, bytes, 0xff)?;
+            write_input(&send, rank, 1, wrong)?;
             barrier(&mut comm, &tmp)?;
             allreduce(&mut comm, algo, &b)?;
             check(&out, n, count, rank, bytes)?;
@@ -2136,7 +2160,7 @@ fn check(out: &fabric_core::Region, n: usize, count: usize, rank: usize, bytes: 
         for (j, w) in buf[..k].chunks_exact(4).enumerate() {
             let i = o / 4 + j;
             let got = f32::from_ne_bytes([w[0], w[1], w[2], w[3]]);
-            let want = expected(n, i);
+            let want = expected(n, i, 1);
             if got != want {
                 return Err(format!(
                     "wrong result at {bytes} B, element {i} of {count}: got {got}, expected {want} (rank {rank})"

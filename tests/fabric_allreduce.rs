@@ -165,8 +165,11 @@ fn correctness(transport: &str) {
         // segments (counts not divisible by 3), segments shorter than a chunk; with the
         // reduce-scatter by two-sided sends and by one-sided writes with credits (2 slots:
         // every slot is reused many times per operation, so a credit that came too early
-        // would corrupt a sum and fail the check).
-        for rs in ["send", "write"] {
+        // would corrupt a sum and fail the check). With 4 slots the write ring's operations
+        // below 8 chunks per segment use half of them, alternating halves between
+        // operations, and the larger ones all 4: a slot handed out before the neighbour
+        // finished with it (across operations of either kind) would corrupt a sum too.
+        for (rs, slots) in [("send", "2"), ("write", "2"), ("write", "4")] {
             let mut a = common.to_vec();
             a.extend([
                 "--algo",
@@ -180,7 +183,7 @@ fn correctness(transport: &str) {
                 "--chunk-bytes",
                 "64",
                 "--slots",
-                "2",
+                slots,
             ]);
             let rows = rows_of(&a).expect("built");
             assert_table(
@@ -188,7 +191,7 @@ fn correctness(transport: &str) {
                 4,
                 4096,
                 "ring",
-                &format!("{ctx}, reduce-scatter by {rs}"),
+                &format!("{ctx}, reduce-scatter by {rs}, {slots} slots"),
             );
         }
         // The default choice across the threshold.
