@@ -42,9 +42,9 @@
 //!   (fused, no separate copy pass), and the finished segment stays in the slot, from where
 //!   the all-gather's first send goes by rendezvous (one copy into the neighbour's output).
 //!   Slots are reused under credits: the receiver writes into the sender's 8-byte credit
-//!   word how many chunks it finished with. An operation with fewer than twice as many
-//!   chunks per segment as slots uses half of them (alternate halves by operation), which
-//!   keeps a few-MiB all-reduce's working set in cache.
+//!   word how many chunks it finished with. An operation with more than one and fewer than
+//!   twice as many chunks per segment as slots uses the first half of them, which keeps a
+//!   few-MiB all-reduce's working set in cache.
 //! * `send` (the default elsewhere): two-sided sends into posted receives.
 //!
 //! Columns (nccl-tests): `time` is the mean over `--iters` operations on rank 0, `algbw`
@@ -106,7 +106,7 @@ struct Args {
     #[arg(long)]
     chunk_bytes: Option<usize>,
     /// Ring chunk slots (scratch per rank = slots × chunk; the write ring's operations with
-    /// fewer than 2 × slots chunks per segment use half of them, so that they stay in cache).
+    /// 2 to 2 × slots - 1 chunks per segment use half of them, so that they stay in cache).
     #[arg(long, default_value_t = 8)]
     slots: usize,
     /// How the ring's reduce-scatter moves chunks: `write` (one-sided writes into the
@@ -1489,8 +1489,6 @@ struct WriteRing {
     left_credit: RemoteKey,
     slots: usize,
     chunk: usize,
-    /// Operations run so far (picks the half of the slots a small operation uses).
-    ops: u64,
     /// Per slot of the right neighbour: 1 + the number of the last reduce-scatter chunk we
     /// wrote into it (0: never used). The slot is free again once the neighbour's credit
     /// reaches that value.
@@ -1534,7 +1532,6 @@ impl WriteRing {
             left_credit,
             slots,
             chunk,
-            ops: 0,
             last_use: vec![0; slots],
             sent: 0,
             received: 0,
@@ -1578,30 +1575,31 @@ fn swap_key(
 /// one copy into the neighbour's output). Later all-gather steps (N > 2) forward from the
 /// output as [`allreduce_ring`] does.
 ///
-/// Slots per operation: an operation with fewer than `2 S` chunks per segment uses only
-/// half of the `S` slots (with `S >= 4`), alternating halves between operations: its
-/// working set then stays in cache (2 ranks, 512 KiB chunks, 8 slots: 4 MiB took 326–361
-/// µs on 4 slots against 451–544 on 8; from 16 MiB up, 8 slots are faster). Both ends of a
-/// connection compute the same slot for every chunk (the operation's size and count are
-/// theirs alike).
+/// Slots per operation: an operation with 2 to `2 S - 1` chunks per segment uses only the
+/// first half of the `S` slots (with `S >= 4`): its working set then stays in cache
+/// (2 ranks, 512 KiB chunks, 8 slots: 4 MiB took 326–361 µs on 4 slots against 451–544 on
+/// 8; from 16 MiB up, 8 slots are faster). Both ends of a connection compute the same slot
+/// for every chunk (the operation's size and rank count are theirs alike).
 ///
-/// Flow control: the `k`-th reduce-scatter chunk of an operation goes into slot
-/// `base + k % A` (`A` the operation's slots, `base` its half); a rank writes it only once
+/// Flow control: reduce-scatter chunk number `g` (counted over all operations) goes into
+/// slot `g % A` (`A` the operation's slots: consecutive small operations rotate over
+/// them); a rank writes it only once
 /// the right neighbour's credit word says it finished with the chunk last written into
 /// that slot (chunks numbered over all operations). A receiver finishes with a chunk when
 /// its slot's last use (the forward write or the all-gather send from it) completed, and
 /// then writes the count of chunks finished in order into the left neighbour's credit
 /// word. With groups of `A / 2` chunks every wait points to an earlier chunk of the one
 /// order all ranks follow, so there is no cycle around the ring.
-/// The slots an operation of the write ring uses: `(count, first)`. Half of the `slots`
-/// (alternating halves by operation number `op`) when its segments have fewer than
-/// `2 × slots` chunks of `cmax`, and there are at least 4 slots; else all of them.
-fn op_slots(slots: usize, cmax: usize, op: u64) -> (usize, usize) {
-    if slots >= 4 && cmax < 2 * slots {
-        let half = slots / 2;
-        (half, (op % 2) as usize * half)
+/// How many of the write ring's `slots` an operation whose segments have `cmax` chunks
+/// uses (the first ones): half of them when `2 <= cmax < 2 × slots` and there are at
+/// least 4, else all. (Not alternating halves between operations: back-to-back operations
+/// would then touch all the slots again. One-chunk operations keep all: rotating over
+/// half took 5–10 % longer at 1 MiB, 2 ranks, in 5 of 6 interleaved rounds.)
+fn op_slots(slots: usize, cmax: usize) -> usize {
+    if slots >= 4 && (2..2 * slots).contains(&cmax) {
+        slots / 2
     } else {
-        (slots, 0)
+        slots
     }
 }
 
@@ -1644,8 +1642,7 @@ fn ring_w(comm: &mut Comm, w: &mut WriteRing, b: &Bufs<'_>) -> Res<()> {
         .map(|q| (seg(q).1 - seg(q).0).div_ceil(ce))
         .max()
         .unwrap_or(0);
-    let (act, base) = op_slots(w.slots, cmax, w.ops);
-    w.ops += 1;
+    let act = op_slots(w.slots, cmax);
     let group = (act / 2).max(1);
     // The one order every rank follows (as in `allreduce_ring`). Sends: (step, chunk,
     // reduce-scatter chunk number within this operation, or usize::MAX in the
@@ -1678,7 +1675,8 @@ fn ring_w(comm: &mut Comm, w: &mut WriteRing, b: &Bufs<'_>) -> Res<()> {
     let one_sided = b.right_out.is_some();
     let (sent0, recv0) = (w.sent, w.received);
     // Where the chunk (st, c) received during the reduce-scatter sits: its slot.
-    let at_slot = |st: usize, c: usize| base + rs_item[st * cmax + c] % act;
+    let at_slot =
+        |st: usize, c: usize| ((recv0 + rs_item[st * cmax + c] as u64) % act as u64) as usize;
     let mut ready: Vec<Vec<bool>> = (0..steps).map(|st| vec![st == 0; cmax]).collect();
     // Chunks received this operation that we finished with (by number within it).
     let mut finished = vec![false; nr];
@@ -1745,7 +1743,7 @@ fn ring_w(comm: &mut Comm, w: &mut WriteRing, b: &Bufs<'_>) -> Res<()> {
                 let len = (e - a) * 4;
                 if st < rs_steps {
                     let g = sent0 + k as u64;
-                    let slot = base + k % act;
+                    let slot = (g % act as u64) as usize;
                     if w.credit.load_u64(0)? < w.last_use[slot] {
                         break;
                     }

@@ -166,9 +166,10 @@ fn correctness(transport: &str) {
         // reduce-scatter by two-sided sends and by one-sided writes with credits (2 slots:
         // every slot is reused many times per operation, so a credit that came too early
         // would corrupt a sum and fail the check). With 4 slots the write ring's operations
-        // below 8 chunks per segment use half of them, alternating halves between
-        // operations, and the larger ones all 4: a slot handed out before the neighbour
-        // finished with it (across operations of either kind) would corrupt a sum too.
+        // of 2 to 7 chunks per segment use the first 2, the others all 4: a slot handed
+        // out before the neighbour finished with it (across operations of either kind), or
+        // read at another place than it was written, fails the check (the checked
+        // operation runs on a changed input).
         for (rs, slots) in [("send", "2"), ("write", "2"), ("write", "4")] {
             let mut a = common.to_vec();
             a.extend([
