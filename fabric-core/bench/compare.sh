@@ -42,7 +42,7 @@ read -r CPU_A CPU_B < <(taskset -pc $$ | sed 's/.*: //' | awk -F, '{ split($1, r
 # the host, which moves every figure here (bench/core_to_core.c); "?" without a C compiler.
 C2C=$(mktemp /tmp/core_to_core.XXXXXX)
 PROBES=$(mktemp /tmp/compare-probes.XXXXXX)
-trap 'rm -f "$C2C" "$PROBES"' EXIT
+trap 'rm -rf "$C2C" "$PROBES" "${RUNS:-}"' EXIT
 "${CC:-cc}" -O2 -pthread -o "$C2C" bench/core_to_core.c 2>/dev/null || : >"$C2C"
 c2c() { { [ -s "$C2C" ] && "$C2C" "$CPU_A" "$CPU_B" 2>/dev/null; } || echo "?"; }
 # probe -> a core-to-core figure, also kept for the run's lowest
@@ -84,49 +84,54 @@ ours_bw() {
   echo "ours $1 bw $2: $(echo "$out" | tail -1) (tcp retransmissions: $(since "$r0"))" >&2
   echo "$out" | awk -v s="$2" '$1 == s {print $2, $3}'
 }
-# runs FN... -> runs the measurement (which prints its figures) TRIALS times, and more (up
-# to MAX_TRIALS) until one run was near; prints "near|far figures..." per run, where near
-# means the probes before and after it stayed within twice the lowest probe so far ("near"
-# for every run without a probe).
+# record ROW FN... -> runs the measurement (which prints its figures) TRIALS times, and
+# more (up to MAX_TRIALS) until one run was near by the lowest probe so far; appends
+# "probe_before probe_after figures..." per run to $RUNS/ROW. A row is measured again at the
+# end when, by the whole script's lowest probe, none of its runs was near.
 TRIALS=${TRIALS:-3}
 MAX_TRIALS=${MAX_TRIALS:-$((3 * TRIALS))}
-runs() {
-  local all="" v p0 p1 i=0
+RUNS=$(mktemp -d /tmp/compare-runs.XXXXXX)
+declare -A ROW_CMD
+record() {
+  local row=$1 v p0 p1 i=0
+  shift
+  ROW_CMD[$row]="$*"
   while :; do
     i=$((i + 1))
     p0=$(probe); v=$("$@"); p1=$(probe)
     echo "    (core-to-core before / after: $p0 / $p1 ns)" >&2
-    all+="$p0 $p1 $v"$'\n'
+    echo "$p0 $p1 $v" >>"$RUNS/$row"
     if [ "$i" -ge "$TRIALS" ]; then
-      printf '%s' "$all" | near_or_far | grep -q '^near' && break
+      any_near "$row" && break
       [ "$i" -ge "$MAX_TRIALS" ] && break
     fi
   done
-  printf '%s' "$all" | near_or_far
 }
+# near_or_far < runs -> "near|far figures..." per run: near when the probes before and after
+# stayed within twice the lowest probe so far (always near without a probe)
 near_or_far() {
   awk -v l="$(sort -n "$PROBES" | head -1)" '{
     near = ($1 == "?" || $2 == "?" || l == "") || ($1 <= 2 * l && $2 <= 2 * l)
     printf "%s", (near ? "near" : "far"); for (i = 3; i <= NF; i++) printf " %s", $i; print "" }'
 }
-# The runs that count: the near ones, or all of them (marked "far") when none was.
-counted() { awk '{ r[NR] = $0; if ($1 == "near") n++ } END { for (i = 1; i <= NR; i++) if (!n || r[i] ~ /^near/) print r[i] }'; }
-# best_min / best_max FN... -> "figure near|far": the lowest (lat) or highest (bw) of the
-# runs that count
-best_min() { runs "$@" | counted | sort -g -k2 | head -1 | awk '{ print $2, $1 }'; }
-best_max() { runs "$@" | counted | sort -g -r -k2 | head -1 | awk '{ print $2, $1 }'; }
+any_near() { near_or_far <"$RUNS/$1" | grep -q '^near'; }
+# The runs of ROW that count: the near ones, or all of them (marked "far") when none was.
+counted() { near_or_far <"$RUNS/$1" | awk '{ r[NR] = $0; if ($1 == "near") n++ } END { for (i = 1; i <= NR; i++) if (!n || r[i] ~ /^near/) print r[i] }'; }
+# best_min / best_max ROW -> "figure near|far": the lowest (lat) or highest (bw) counted run
+best_min() { counted "$1" | sort -g -k2 | head -1 | awk '{ print $2, $1 }'; }
+best_max() { counted "$1" | sort -g -r -k2 | head -1 | awk '{ print $2, $1 }'; }
 ucx_lat() { ucx "$1" tag_lat "$2" "$3" | cut -d' ' -f1; }
 ucx_bw() { ucx "$1" tag_bw "$2" "$3" "$BW_WARMUP" | cut -d' ' -f2; }
-# best_pair FN... -> "send memcpy near|far" of the counted run with the highest send (for
-# the comparison of send with UCX)
-best_pair() { runs "$@" | counted | awk 'NF == 3' | sort -g -r -k2 | head -1 | awk '{ print $2, $3, $1 }'; }
-# median_pair FN... -> "send memcpy near|far" of the counted run whose send/memcpy ratio is
-# the median (the lower middle one for an even count)
+# best_pair ROW -> "send memcpy near|far" of the counted run with the highest send (for the
+# comparison of send with UCX)
+best_pair() { counted "$1" | awk 'NF == 3' | sort -g -r -k2 | head -1 | awk '{ print $2, $3, $1 }'; }
+# median_pair ROW -> "send memcpy near|far" of the counted run whose send/memcpy ratio is the
+# median (the lower middle one for an even count)
 median_pair() {
-  runs "$@" | counted | awk 'NF == 3 && $3 > 0 { print $2 / $3, $2, $3, $1 }' | sort -g |
+  counted "$1" | awk 'NF == 3 && $3 > 0 { print $2 / $3, $2, $3, $1 }' | sort -g |
     awk '{ r[NR] = $2 " " $3 " " $4 } END { if (NR) print r[int((NR + 1) / 2)] }'
 }
-# far A B -> "; far (no run with the CPUs near)" when either figure came from far runs
+# far A B -> "; far: ..." when either figure came from runs with the CPUs far apart
 far() { [ "$1" = far ] || [ "$2" = far ] && echo "; far: no run with the CPUs near"; true; }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "n/a" }'; }
 
@@ -134,24 +139,46 @@ ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a / b; else
 CC=$(cat /proc/sys/net/ipv4/tcp_congestion_control 2>/dev/null || echo unknown)
 echo "Measured $(date -u +%Y-%m-%dT%H:%MZ) on $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg), TCP congestion control $CC (fabric tcp on loopback: ${FABRIC_TCP_CONGESTION:-unpaced-on-loopback}), core-to-core round trip $(probe) ns; command: bash fabric-core/bench/compare.sh (ITERS=$ITERS BW_ITERS=$BW_ITERS BW_WARMUP=$BW_WARMUP TRIALS=$TRIALS MAX_TRIALS=$MAX_TRIALS)"
 echo
+# Measure every row (ours and the reference, one after the other), ...
+for s in 8 4096 65536; do
+  record "shm-lat-$s-ours" ours_lat shm "$s" "$ITERS"
+  record "shm-lat-$s-ref" ucx_lat posix,self "$s" "$ITERS"
+done
+for s in 1048576 4194304; do
+  record "shm-bw-$s-ours" ours_bw shm "$s" "$BW_ITERS"
+  record "shm-bw-$s-ref" ucx_bw posix,self "$s" "$BW_ITERS"
+done
+for s in 8 65536; do
+  record "tcp-lat-$s-ours" ours_lat tcp "$s" "$((ITERS / 4))"
+  record "tcp-lat-$s-ref" ucx_lat tcp "$s" "$((ITERS / 4))"
+done
+for s in 1048576 4194304; do
+  record "tcp-bw-$s-ours" ours_bw tcp "$s" "$BW_ITERS"
+  record "tcp-bw-$s-ref" ucx_bw tcp "$s" "$BW_ITERS"
+done
+# ... then again those that had no near run by the whole script's lowest probe (a script
+# that started with the CPUs far took far runs for near ones until it saw better).
+for f in "$RUNS"/*; do
+  row=$(basename "$f")
+  any_near "$row" || { echo "again, no near run yet: $row" >&2; read -ra cmd <<<"${ROW_CMD[$row]}"; record "$row" "${cmd[@]}"; }
+done
+
 echo "| transport | figure | size | ours | reference | ratio ours/ref | target (issue 12) |"
 echo "| --- | --- | ---: | ---: | ---: | ---: | --- |"
 for s in 8 4096 65536; do
-  read -r o of < <(best_min ours_lat shm "$s" "$ITERS"); read -r u uf < <(best_min ucx_lat posix,self "$s" "$ITERS")
+  read -r o of < <(best_min "shm-lat-$s-ours"); read -r u uf < <(best_min "shm-lat-$s-ref")
   echo "| shm | latency median (us) | $s | $o | UCX posix $u | $(ratio "$o" "$u") | $([ "$s" = 8 ] && echo "<= 1.0" || echo "keep the lead (< 1.0)")$(far "$of" "$uf") |"
 done
 for s in 1048576 4194304; do
-  read -r o m of < <(median_pair ours_bw shm "$s" "$BW_ITERS")
-  read -r u uf < <(best_max ucx_bw posix,self "$s" "$BW_ITERS")
+  read -r o m of < <(median_pair "shm-bw-$s-ours"); read -r u uf < <(best_max "shm-bw-$s-ref")
   echo "| shm | bandwidth (MiB/s) | $s | $o | memcpy $m | $(ratio "$o" "$m") | >= 0.95 (UCX posix: $u)$(far "$of" "$uf") |"
 done
 for s in 8 65536; do
-  read -r o of < <(best_min ours_lat tcp "$s" "$((ITERS / 4))"); read -r u uf < <(best_min ucx_lat tcp "$s" "$((ITERS / 4))")
+  read -r o of < <(best_min "tcp-lat-$s-ours"); read -r u uf < <(best_min "tcp-lat-$s-ref")
   echo "| tcp | latency median (us) | $s | $o | UCX tcp $u | $(ratio "$o" "$u") | $([ "$s" = 8 ] && echo "<= 1.0" || echo "keep the lead (< 1.0)")$(far "$of" "$uf") |"
 done
 for s in 1048576 4194304; do
-  read -r o _ of < <(best_pair ours_bw tcp "$s" "$BW_ITERS")
-  read -r u uf < <(best_max ucx_bw tcp "$s" "$BW_ITERS")
+  read -r o _ of < <(best_pair "tcp-bw-$s-ours"); read -r u uf < <(best_max "tcp-bw-$s-ref")
   echo "| tcp | bandwidth (MiB/s) | $s | $o | UCX tcp $u | $(ratio "$o" "$u") | >= 1.0$(far "$of" "$uf") |"
 done
 echo
