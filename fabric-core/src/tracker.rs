@@ -381,6 +381,32 @@ impl Tracker {
         Ok(token)
     }
 
+    /// Whether a send of `buf` passes a post's checks now with nothing queued ahead of it
+    /// and a free slot: then a backend may put it on the wire before the bookkeeping
+    /// ([`post_sent`](Self::post_sent)), so that the bookkeeping is not on the message's
+    /// critical path.
+    #[inline]
+    pub fn can_send_now(&self, buf: &Buf) -> bool {
+        self.submit.is_empty()
+            && !self.free.is_empty()
+            && self.failed.is_none()
+            && buf.region().inner.owner == self.owner
+            && buf.len() <= self.caps.max_message
+    }
+
+    /// Records a send (tagged `tag`) that the backend already put on the wire in full,
+    /// after [`can_send_now`](Self::can_send_now) said yes: it completes at once.
+    ///
+    /// # Errors
+    /// Only when the table broke its own invariant (a free slot in use).
+    #[inline]
+    pub fn post_sent(&mut self, buf: Buf, wr_id: u64, tag: u64) -> Result<Token, PostError> {
+        let len = buf.len();
+        let token = self.insert(OpDesc::Send, OpKind::Send, buf, wr_id, tag, None)?;
+        self.complete(token, Status::Success, len, 0);
+        Ok(token)
+    }
+
     /// A grouped receive: every part `(buf, tag, mask)` is matched as its own receive, in
     /// the order given; one [`OpKind::RecvGroup`] completion comes when all are filled.
     ///

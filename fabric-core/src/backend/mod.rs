@@ -397,6 +397,14 @@ pub(crate) trait Hal: Send + fmt::Debug {
     fn attach_worker(&mut self, _worker: Option<u64>) -> Option<u64> {
         None
     }
+    /// Puts a send of `buf` tagged `tag` on the wire in full now, if it can (the caller
+    /// checked [`Tracker::can_send_now`]: nothing is queued ahead of it); `false` leaves it
+    /// to the queue. The tracker records it after this returns `true`
+    /// ([`Tracker::post_sent`]), so the bookkeeping stays off the message's critical path.
+    /// The default never does.
+    fn send_now(&mut self, _buf: &Buf, _tag: u64) -> bool {
+        false
+    }
     /// The largest message a send may carry, where it is below
     /// [`Capabilities::max_message`] (which bounds every operation): verbs' eager mode.
     fn max_send(&self) -> usize {
@@ -447,6 +455,14 @@ pub(crate) trait Hal: Send + fmt::Debug {
 #[doc(hidden)]
 pub use crate::transport::WatchFds;
 
+/// What [`Endpoint::send_now`] did with a send.
+enum SendNow {
+    /// It went out at once (and was recorded, completed): the post's result.
+    Sent(PostResult),
+    /// It could not: the buffer, for the queued path.
+    Queue(Buf),
+}
+
 /// A connection: the shared [`Tracker`] plus one backend's [`Hal`].
 ///
 /// Field order is drop order: the backend (a verbs queue pair, which may still hold work
@@ -486,6 +502,26 @@ impl<H: Hal> Endpoint<H> {
             });
         }
         Ok(buf)
+    }
+
+    /// A send that can go out at once (not held, nothing queued ahead, the backend takes
+    /// it whole) does, and only then is it recorded: the bookkeeping is off the message's
+    /// critical path. Else the buffer comes back for the queued path.
+    #[inline(always)]
+    fn send_now(&mut self, buf: Buf, tag: u64, wr_id: u64) -> SendNow {
+        if self.held || !self.t.can_send_now(&buf) || !self.h.send_now(&buf, tag) {
+            return SendNow::Queue(buf);
+        }
+        SendNow::Sent(match self.t.post_sent(buf, wr_id, tag) {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                // Sent, but the table broke its own invariant: nothing on this connection
+                // can be trusted any more.
+                self.t
+                    .fail_all(crate::Status::ProtocolError, e.error.to_string());
+                Err(e)
+            }
+        })
     }
 
     #[inline(always)]
@@ -537,7 +573,10 @@ impl<H: Hal> Transport for Endpoint<H> {
     }
     fn post_send(&mut self, buf: Buf, wr_id: u64) -> PostResult {
         let buf = self.check_send(buf)?;
-        self.post(OpDesc::Send, buf, wr_id)
+        match self.send_now(buf, 0, wr_id) {
+            SendNow::Sent(r) => r,
+            SendNow::Queue(buf) => self.post(OpDesc::Send, buf, wr_id),
+        }
     }
     fn post_recv(&mut self, buf: Buf, wr_id: u64) -> PostResult {
         self.post(OpDesc::Recv, buf, wr_id)
@@ -560,6 +599,14 @@ impl<H: Hal> Transport for Endpoint<H> {
     }
     fn post_send_tagged(&mut self, buf: Buf, tag: u64, wr_id: u64) -> PostResult {
         let buf = self.check_send(buf)?;
+        let buf = if self.t.caps().tagged {
+            match self.send_now(buf, tag, wr_id) {
+                SendNow::Sent(r) => return r,
+                SendNow::Queue(buf) => buf,
+            }
+        } else {
+            buf
+        };
         self.t.post_send_tagged(buf, tag, wr_id)?;
         self.kick(false);
         Ok(())

@@ -46,7 +46,7 @@ use super::accept::{self, AcceptQueue, Connecting, Handshake};
 use super::{BackendEntry, Connector, Endpoint, Hal, Listener, WatchFds};
 use crate::domain::{Domain, DomainBackend, MemorySupport, Source};
 use crate::error::{Error, Result};
-use crate::region::{check_range, Access, Memory, Region};
+use crate::region::{check_range, Access, Buf, Memory, Region};
 use crate::ring::{self, Consumer, Producer, RingHeader};
 use crate::sys;
 use crate::tracker::{OpDesc, RecvRef, Sink, Token, Tracker};
@@ -931,17 +931,22 @@ impl ShmHal {
         }
     }
 
+    /// Whether a send of `buf` goes by rendezvous: long enough, out of fabric-core memory
+    /// (a region the peer can map) registered at the threshold or above.
+    #[inline]
+    fn by_rendezvous(&self, buf: &Buf) -> bool {
+        self.rndv > 0
+            && buf.len() >= self.rndv
+            && buf.region().inner.fd.is_some()
+            && buf.region().len() >= self.rndv
+    }
+
     /// Runs the front submission as far as possible.
     fn submit_one(&mut self, t: &mut Tracker, token: Token) -> Result<Step> {
         let p = t.live(token, "shm submission")?;
         // (Matched in place: only the fields an arm uses are copied, not the descriptor.)
         match p.desc {
-            OpDesc::Send
-                if self.rndv > 0
-                    && p.buf.len() >= self.rndv
-                    && p.buf.region().inner.fd.is_some()
-                    && p.buf.region().len() >= self.rndv =>
-            {
+            OpDesc::Send if self.by_rendezvous(&p.buf) => {
                 // The region's announcement must be on the socket before this record.
                 if !self.announcer.flush()? {
                     return Ok(Step::Blocked(false));
@@ -1559,6 +1564,31 @@ impl Hal for ShmHal {
         Ok(())
     }
 
+    /// A send that fits one eager record goes into the ring at once (the caller checked
+    /// that nothing is queued ahead of it); the rest (rendezvous, several records, a full
+    /// ring) take the queue.
+    #[inline]
+    fn send_now(&mut self, buf: &Buf, tag: u64) -> bool {
+        let len = buf.len();
+        if len > self.chunk - TAG_LEN || self.by_rendezvous(buf) {
+            return false;
+        }
+        self.unarm();
+        let Some(dst) = self.tx.reserve(K_FIRST, len as u64, TAG_LEN + len) else {
+            return false;
+        };
+        // SAFETY: `dst` has `TAG_LEN + len` writable bytes owned by us until commit; the
+        // buffer's mapping has `len` readable bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(tag.to_le_bytes().as_ptr(), dst, TAG_LEN);
+            std::ptr::copy_nonoverlapping(buf.as_ptr(), dst.add(TAG_LEN), len);
+        }
+        self.tx.commit();
+        self.idle = 0;
+        self.notify_peer();
+        true
+    }
+
     /// A post only starts what it queued: a send is copied into the ring (or its
     /// rendezvous record pushed) and the peer woken if it sleeps; a receive does nothing
     /// here (a message waiting for it stays in the ring, which `arm` sees). Incoming
@@ -1648,6 +1678,68 @@ mod tests {
         crate::backend::shared_tests::a_receive_posted_after_its_message_arrived_does_not_sleep(
             KIND,
         );
+    }
+
+    /// A small send posted while a long one waits for ring room goes after it, not into
+    /// the room it would fit (a send goes into the ring at post time only when nothing is
+    /// queued ahead of it), and both arrive whole, in post order.
+    #[test]
+    fn a_send_posted_behind_a_queued_one_keeps_its_place() {
+        use crate::backend::{self, Options};
+        use crate::transport::Completion;
+        use std::time::Duration;
+        let opts = Options {
+            ring_bytes: 4096,
+            chunk_bytes: 1024,
+            ..Options::default()
+        };
+        let mut l = backend::listen(KIND, &opts).expect("listen");
+        let mut c = backend::connect(l.address(), &opts).expect("connect");
+        let (mut a, mut b) =
+            backend::loopback(l.as_mut(), c.as_mut(), Duration::from_secs(10)).expect("loopback");
+        // Caller memory (no rendezvous): the long message goes eagerly, record by record.
+        let long: Vec<u8> = (0..16 << 10).map(|i| (i % 251) as u8).collect();
+        let src = a
+            .domain()
+            .register_memory(long.clone(), Access::empty())
+            .expect("register long");
+        let small = a
+            .domain()
+            .register_memory(b"after the long one".to_vec(), Access::empty())
+            .expect("register small");
+        a.post_send(src.slice(0, long.len()).expect("slice"), 1)
+            .expect("long send");
+        assert_eq!(a.in_flight(), 1, "the long send should wait for room");
+        a.post_send(small.slice(0, 18).expect("slice"), 2)
+            .expect("small send");
+        let rx = b.register(32 << 10, Access::empty()).expect("register rx");
+        b.post_recv(rx.slice(0, 16 << 10).expect("slice"), 3)
+            .expect("recv 1");
+        b.post_recv(rx.slice(16 << 10, 16 << 10).expect("slice"), 4)
+            .expect("recv 2");
+        let mut out: Vec<Completion> = (0..4).map(|_| Completion::default()).collect();
+        let mut got = Vec::new();
+        let mut sends = 0;
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while (got.len() < 2 || sends < 2) && std::time::Instant::now() < deadline {
+            let n = a.poll(&mut out).expect("poll a");
+            for c in &out[..n] {
+                assert!(c.status.is_ok(), "send {:?}", c.status);
+                sends += 1;
+            }
+            let n = b.poll(&mut out).expect("poll b");
+            for c in out[..n].iter_mut() {
+                assert!(c.status.is_ok(), "recv {:?}", c.status);
+                let mut v = vec![0u8; c.len];
+                c.buf.as_ref().expect("buf").copy_to(&mut v).expect("read");
+                got.push((c.wr_id, v));
+            }
+        }
+        assert_eq!(got.len(), 2, "both messages arrive");
+        assert_eq!(got[0].0, 3);
+        assert_eq!(got[0].1, long, "the long message first, whole");
+        assert_eq!(got[1].0, 4);
+        assert_eq!(&got[1].1, b"after the long one");
     }
 
     #[test]
