@@ -14,6 +14,9 @@
 //!   its tag (the tracker matches). No receive posted = the message waits in the ring
 //!   (backpressure); receives posted but none matching = the message is copied into the
 //!   tracker's bounded unexpected queue, or waits in the ring while that queue is full.
+//!   A send that fits one record, with nothing queued ahead of it, is copied into the ring
+//!   by the post itself before the tracker records it (`Hal::send_now`): the message is
+//!   visible to the peer after ~220 instructions of the post instead of ~430.
 //! * Write with immediate: the bytes are copied into the peer's mapping, then a
 //!   notification record (the immediate, the length) follows in the ring, so the peer sees
 //!   the bytes before the notification; it is matched as a zero-byte message with tag 0.
