@@ -401,10 +401,13 @@ pub(crate) trait Hal: Send + fmt::Debug {
     /// checked [`Tracker::can_send_now`]: nothing is queued ahead of it); `false` leaves it
     /// to the queue. The tracker records it after this returns `true`
     /// ([`Tracker::post_sent`]), so the bookkeeping stays off the message's critical path.
-    /// The default never does.
+    /// The default never does (and [`SENDS_NOW`](Self::SENDS_NOW) says so, so that a
+    /// post does not even ask).
     fn send_now(&mut self, _buf: &Buf, _tag: u64) -> bool {
         false
     }
+    /// Whether [`send_now`](Self::send_now) may ever say yes.
+    const SENDS_NOW: bool = false;
     /// The largest message a send may carry, where it is below
     /// [`Capabilities::max_message`] (which bounds every operation): verbs' eager mode.
     fn max_send(&self) -> usize {
@@ -509,7 +512,7 @@ impl<H: Hal> Endpoint<H> {
     /// critical path. Else the buffer comes back for the queued path.
     #[inline(always)]
     fn send_now(&mut self, buf: Buf, tag: u64, wr_id: u64) -> SendNow {
-        if self.held || !self.t.can_send_now(&buf) || !self.h.send_now(&buf, tag) {
+        if !H::SENDS_NOW || self.held || !self.t.can_send_now(&buf) || !self.h.send_now(&buf, tag) {
             return SendNow::Queue(buf);
         }
         SendNow::Sent(match self.t.post_sent(buf, wr_id, tag) {
