@@ -2,10 +2,10 @@
 //!
 //! `ucx_perftest` and perftest read the CPU's time-stamp counter (`rdtsc`, ~10 ns on the
 //! development host); `std::time::Instant::now` goes through the vDSO's `clock_gettime`,
-//! which under a hypervisor costs ~25 ns there. At an 8-byte shared-memory round trip of
-//! ~350 ns that difference is ~2 % of the figure and belongs to the harness, not to the
-//! transport: timing with the same kind of clock as the reference keeps the comparison
-//! like for like.
+//! which under a hypervisor costs ~25 ns there (and steps in 10 ns). At an 8-byte
+//! shared-memory round trip of ~300 ns that difference is ~5 % of the figure and belongs to
+//! the harness, not to the transport: timing with the same kind of clock as the reference
+//! keeps the comparison like for like.
 //!
 //! [`Clock::new`] uses the counter only where the kernel keeps its own time with it
 //! (`/sys/devices/system/clocksource/clocksource0/current_clocksource` is `tsc`: the kernel
@@ -30,8 +30,7 @@ enum Source {
 
 impl Clock {
     /// The time-stamp counter where the kernel trusts it (see the module docs), else
-    /// `Instant`; `FABRIC_PERF_CLOCK=std` forces `Instant`, `=tsc` asks for the counter
-    /// (still only where it is trusted).
+    /// `Instant`; `FABRIC_PERF_CLOCK=std` forces `Instant`.
     pub fn new() -> Self {
         let want_std = std::env::var("FABRIC_PERF_CLOCK").is_ok_and(|v| v == "std");
         if !want_std && kernel_uses_tsc() {
