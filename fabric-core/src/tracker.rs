@@ -387,11 +387,7 @@ impl Tracker {
     /// critical path.
     #[inline]
     pub fn can_send_now(&self, buf: &Buf) -> bool {
-        self.submit.is_empty()
-            && !self.free.is_empty()
-            && self.failed.is_none()
-            && buf.region().inner.owner == self.owner
-            && buf.len() <= self.caps.max_message
+        self.submit.is_empty() && !self.free.is_empty() && self.passes_inline_checks(buf)
     }
 
     /// Records a send (tagged `tag`) that the backend already put on the wire in full,
@@ -844,14 +840,19 @@ impl Tracker {
     /// operations go out of line.
     #[inline]
     fn validate(&self, desc: OpDesc, buf: &Buf) -> Result<(), Error> {
-        if matches!(desc, OpDesc::Send | OpDesc::Recv)
-            && self.failed.is_none()
-            && buf.region().inner.owner == self.owner
-            && buf.len() <= self.caps.max_message
-        {
+        if matches!(desc, OpDesc::Send | OpDesc::Recv) && self.passes_inline_checks(buf) {
             return Ok(());
         }
         self.validate_slow(&desc, buf)
+    }
+
+    /// A send's or receive's checks when they pass: connection up, buffer of this
+    /// domain, length allowed ([`validate_slow`](Self::validate_slow) says which failed).
+    #[inline]
+    fn passes_inline_checks(&self, buf: &Buf) -> bool {
+        self.failed.is_none()
+            && buf.region().inner.owner == self.owner
+            && buf.len() <= self.caps.max_message
     }
 
     #[inline(never)]

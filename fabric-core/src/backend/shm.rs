@@ -944,6 +944,33 @@ impl ShmHal {
             && buf.region().len() >= self.rndv
     }
 
+    /// Reserves, fills and commits one eager record of `n` bytes from `src`: a message's
+    /// first (`first` = its tag and total length; the tag leads the payload) or a
+    /// continuation. `false` when the ring has no room now.
+    ///
+    /// # Safety
+    /// `src` is valid for `n` bytes of reads, and `n` plus the tag fits a record.
+    #[inline]
+    unsafe fn push_eager(&mut self, first: Option<(u64, usize)>, src: *const u8, n: usize) -> bool {
+        let (kind, aux, head) = match first {
+            Some((_, total)) => (K_FIRST, total as u64, TAG_LEN),
+            None => (K_CONT, 0, 0),
+        };
+        let Some(dst) = self.tx.reserve(kind, aux, head + n) else {
+            return false;
+        };
+        // SAFETY: `dst` has `head + n` writable bytes owned by us until commit; `src` has `n`
+        // readable bytes (the caller's contract).
+        unsafe {
+            if let Some((tag, _)) = first {
+                std::ptr::copy_nonoverlapping(tag.to_le_bytes().as_ptr(), dst, TAG_LEN);
+            }
+            std::ptr::copy_nonoverlapping(src, dst.add(head), n);
+        }
+        self.tx.commit();
+        true
+    }
+
     /// Runs the front submission as far as possible.
     fn submit_one(&mut self, t: &mut Tracker, token: Token) -> Result<Step> {
         let p = t.live(token, "shm submission")?;
@@ -980,24 +1007,13 @@ impl ShmHal {
                 loop {
                     let head = if first { TAG_LEN } else { 0 };
                     let n = (total - done).min(self.chunk - head);
-                    let (kind, aux) = if first {
-                        (K_FIRST, total as u64)
-                    } else {
-                        (K_CONT, 0)
-                    };
-                    let Some(dst) = self.tx.reserve(kind, aux, head + n) else {
+                    // SAFETY: `src` is the buffer's mapping (len `total`), done + n <= total.
+                    let pushed =
+                        unsafe { self.push_eager(first.then_some((tag, total)), src.add(done), n) };
+                    if !pushed {
                         t.live_mut(token, "shm send")?.progress = done;
                         return Ok(Step::Blocked(done > started));
-                    };
-                    // SAFETY: `dst` has `head + n` writable bytes owned by us until commit;
-                    // `src` is the buffer's mapping (len `total`), done + n <= total.
-                    unsafe {
-                        if first {
-                            std::ptr::copy_nonoverlapping(tag.to_le_bytes().as_ptr(), dst, head);
-                        }
-                        std::ptr::copy_nonoverlapping(src.add(done), dst.add(head), n)
-                    };
-                    self.tx.commit();
+                    }
                     first = false;
                     done += n;
                     if done == total {
@@ -1579,16 +1595,11 @@ impl Hal for ShmHal {
             return false;
         }
         self.unarm();
-        let Some(dst) = self.tx.reserve(K_FIRST, len as u64, TAG_LEN + len) else {
+        // SAFETY: the buffer's mapping has `len` readable bytes; `TAG_LEN + len` fits a
+        // record (checked above).
+        if !unsafe { self.push_eager(Some((tag, len)), buf.as_ptr(), len) } {
             return false;
-        };
-        // SAFETY: `dst` has `TAG_LEN + len` writable bytes owned by us until commit; the
-        // buffer's mapping has `len` readable bytes.
-        unsafe {
-            std::ptr::copy_nonoverlapping(tag.to_le_bytes().as_ptr(), dst, TAG_LEN);
-            std::ptr::copy_nonoverlapping(buf.as_ptr(), dst.add(TAG_LEN), len);
         }
-        self.tx.commit();
         self.idle = 0;
         self.notify_peer();
         true
