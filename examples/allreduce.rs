@@ -1564,6 +1564,19 @@ fn swap_key(
     Ok(RemoteKey::decode(&k)?)
 }
 
+/// How many of the write ring's `slots` an operation whose segments have `cmax` chunks
+/// uses (the first ones): half of them when `2 <= cmax < 2 × slots` and there are at
+/// least 4, else all. (Not alternating halves between operations: back-to-back operations
+/// would then touch all the slots again. One-chunk operations keep all: rotating over
+/// half took 5–10 % longer at 1 MiB, 2 ranks, in 5 of 6 interleaved rounds.)
+fn op_slots(slots: usize, cmax: usize) -> usize {
+    if slots >= 4 && (2..2 * slots).contains(&cmax) {
+        slots / 2
+    } else {
+        slots
+    }
+}
+
 /// The ring of [`allreduce_ring`] with the reduce-scatter done by one-sided writes: at
 /// every reduce-scatter step a rank writes its chunk (its own input at the first step, the
 /// partial sum it reduced in place in a receive slot after that) straight into a receive
@@ -1583,26 +1596,12 @@ fn swap_key(
 ///
 /// Flow control: reduce-scatter chunk number `g` (counted over all operations) goes into
 /// slot `g % A` (`A` the operation's slots: consecutive small operations rotate over
-/// them); a rank writes it only once
-/// the right neighbour's credit word says it finished with the chunk last written into
-/// that slot (chunks numbered over all operations). A receiver finishes with a chunk when
-/// its slot's last use (the forward write or the all-gather send from it) completed, and
-/// then writes the count of chunks finished in order into the left neighbour's credit
-/// word. With groups of `A / 2` chunks every wait points to an earlier chunk of the one
-/// order all ranks follow, so there is no cycle around the ring.
-/// How many of the write ring's `slots` an operation whose segments have `cmax` chunks
-/// uses (the first ones): half of them when `2 <= cmax < 2 × slots` and there are at
-/// least 4, else all. (Not alternating halves between operations: back-to-back operations
-/// would then touch all the slots again. One-chunk operations keep all: rotating over
-/// half took 5–10 % longer at 1 MiB, 2 ranks, in 5 of 6 interleaved rounds.)
-fn op_slots(slots: usize, cmax: usize) -> usize {
-    if slots >= 4 && (2..2 * slots).contains(&cmax) {
-        slots / 2
-    } else {
-        slots
-    }
-}
-
+/// them); a rank writes it only once the right neighbour's credit word says it finished
+/// with the chunk last written into that slot. A receiver finishes with a chunk when its
+/// slot's last use (the forward write or the all-gather send from it) completed, and then
+/// writes the count of chunks finished in order into the left neighbour's credit word.
+/// With groups of `A / 2` chunks every wait points to an earlier chunk of the one order all
+/// ranks follow, so there is no cycle around the ring.
 fn allreduce_ring_w(comm: &mut Comm, b: &Bufs<'_>) -> Res<()> {
     let mut w = comm.wring.take().ok_or("write ring not set up")?;
     let res = ring_w(comm, &mut w, b);
@@ -2072,16 +2071,13 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, oversubscribed: bool) 
         }
         // The caller's own memory, registered in place.
         let wrong = args.inject_error && rank == n - 1;
-        let mut input_v: Vec<f32> = (0..count).map(|i| input(rank, i, 0)).collect();
-        if wrong {
-            input_v[count / 2] += 1.0;
-        }
         let out_access = if one_sided && algo == Algo::Ring {
             Access::REMOTE_WRITE
         } else {
             Access::empty()
         };
-        let send = domain.register_memory(input_v, Access::empty())?;
+        let send = domain.register_memory(vec![0f32; count], Access::empty())?;
+        write_input(&send, rank, 0, wrong)?;
         let out = domain.register_memory(vec![0f32; count], out_access)?;
         let right_out = if out_access == Access::REMOTE_WRITE {
             Some(exchange_keys(&mut comm, &out)?)
