@@ -1,6 +1,8 @@
 //! Streaming bandwidth over a `fabric-core` transport: two-sided unidirectional and
 //! bidirectional, one-sided write and read; next to it, single-thread `memcpy` bandwidth
-//! measured in the same run (the ceiling for a copy-based transport).
+//! measured in the same run by the receiving side on its own CPU, right after each send
+//! trial (the ceiling for a copy-based transport; the ratio is the median of the trials'
+//! ratios, see [`fabric::perf::median_ratio`]).
 //!
 //! ```text
 //! cargo run --release --example bandwidth                       # starts its own peer; shm
@@ -10,7 +12,6 @@
 //! ```
 
 use std::io::IsTerminal;
-use std::time::Instant;
 
 use clap::Parser;
 use fabric::perf::{self, Initiator, Peer, PeerArgs};
@@ -51,21 +52,22 @@ fn main() {
     perf::main_with("bandwidth", &args.peer, max, |peer| measure(&args, peer));
 }
 
-/// Single-thread memcpy bandwidth for `size`-byte copies into 16 rotating destinations
-/// (the receiver's pattern), MiB/s.
-fn memcpy_bw(size: usize, iters: usize) -> f64 {
-    let src = vec![0x5au8; size];
-    let mut dst: Vec<Vec<u8>> = (0..perf::WINDOW).map(|_| vec![0u8; size]).collect();
-    for d in dst.iter_mut() {
-        d.copy_from_slice(&src);
-    }
-    let t0 = Instant::now();
-    for i in 0..iters {
-        let d = &mut dst[i % perf::WINDOW];
-        d.copy_from_slice(&src);
-        std::hint::black_box(&d);
-    }
-    (size * iters) as f64 / t0.elapsed().as_secs_f64() / (1 << 20) as f64
+/// One measurement of `mode`: MiB/s, or `None` for a one-sided mode on a transport without
+/// one-sided operations.
+fn run_mode(
+    ini: &mut Initiator,
+    mode: &str,
+    size: usize,
+    n: usize,
+    one_sided: bool,
+) -> fabric_core::Result<Option<f64>> {
+    Ok(match mode {
+        "send" => Some(ini.stream(size, n, false)?),
+        "bisend" => Some(ini.stream(size, n, true)?),
+        "write" | "read" if !one_sided => None,
+        "write" => Some(ini.one_sided(size, n, false)?),
+        _ => Some(ini.one_sided(size, n, true)?),
+    })
 }
 
 fn measure(args: &Args, mut peer: Peer) -> Result<(), Box<dyn std::error::Error>> {
@@ -83,8 +85,9 @@ fn measure(args: &Args, mut peer: Peer) -> Result<(), Box<dyn std::error::Error>
     }
     println!(
         "fabric bandwidth: transport {kind} on the {engine}, {} in flight, MiB/s (bisend: per direction); \
-         memcpy = one thread copying the same sizes in this run; best of {} trials, each size and \
-         mode after {} untimed messages",
+         memcpy = one thread of the receiving side copying the same sizes on its CPU, right after \
+         each send trial; best of {} trials, each size and mode after {} untimed messages; send/memcpy = the median of \
+         the trials' ratios",
         perf::WINDOW,
         args.trials.max(1),
         args
@@ -106,45 +109,43 @@ fn measure(args: &Args, mut peer: Peer) -> Result<(), Box<dyn std::error::Error>
         let iters = args.iters.unwrap_or_else(|| perf::bw_iters(size));
         let warmup = args.warmup.unwrap_or(iters / 4);
         let mut line = format!("{size:>10}");
-        let mut send_bw = None;
+        // (send, memcpy) of each send trial, measured back to back.
+        let mut pairs: Vec<(f64, f64)> = Vec::new();
         for m in &modes {
             pb.set_message(format!("{size} B {m}"));
             let mut bw: Option<f64> = None;
-            let mut run = |n: usize| -> fabric_core::Result<Option<f64>> {
-                Ok(match *m {
-                    "send" => Some(ini.stream(size, n, false)?),
-                    "bisend" => Some(ini.stream(size, n, true)?),
-                    "write" | "read" if !caps.one_sided => None,
-                    "write" => Some(ini.one_sided(size, n, false)?),
-                    _ => Some(ini.one_sided(size, n, true)?),
-                })
-            };
+            let one_sided = caps.one_sided;
+            let run = |ini: &mut Initiator, n: usize| run_mode(ini, m, size, n, one_sided);
             if warmup > 0 {
-                run(warmup)?; // not timed
+                run(&mut ini, warmup)?; // not timed
             }
             for _ in 0..args.trials.max(1) {
-                let b = run(iters)?;
+                let b = run(&mut ini, iters)?;
+                if let (true, Some(s)) = (*m == "send", b) {
+                    // The reference right after, so both see the same host.
+                    pairs.push((s, ini.peer_memcpy(size, iters)?));
+                }
                 bw = match (bw, b) {
                     (Some(x), Some(y)) => Some(x.max(y)),
                     (x, y) => x.or(y),
                 };
-            }
-            if *m == "send" {
-                send_bw = bw;
             }
             line += &match bw {
                 Some(b) => format!(" {b:>12.1}"),
                 None => format!(" {:>12}", "n/a"),
             };
         }
-        let mc = (0..args.trials.max(1))
-            .map(|_| memcpy_bw(size, iters))
-            .fold(0.0, f64::max);
-        line += &format!(" {mc:>12.1}");
-        line += &match send_bw {
-            Some(s) => format!(" {:>10.2}", s / mc),
-            None => format!(" {:>10}", "-"),
-        };
+        if pairs.is_empty() {
+            // No send mode: the reference alone.
+            let mut mc = 0.0f64;
+            for _ in 0..args.trials.max(1) {
+                mc = mc.max(ini.peer_memcpy(size, iters)?);
+            }
+            line += &format!(" {mc:>12.1} {:>10}", "-");
+        } else {
+            let mc = pairs.iter().map(|p| p.1).fold(0.0, f64::max);
+            line += &format!(" {mc:>12.1} {:>10.2}", perf::median_ratio(&pairs));
+        }
         pb.suspend(|| println!("{line}"));
         pb.inc(1);
     }

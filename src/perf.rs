@@ -63,6 +63,9 @@ pub enum Mode {
     BiStream = 3,
     /// Wait for one 8-byte "done" message (the initiator wrote one-sided), then ack.
     OneSided = 4,
+    /// Time `iters` `memcpy`s of `size` bytes on this side's CPU ([`memcpy_bw`]); answer
+    /// the MiB/s as an 8-byte `f64`.
+    Memcpy = 5,
 }
 
 impl Mode {
@@ -73,6 +76,7 @@ impl Mode {
             2 => Mode::Stream,
             3 => Mode::BiStream,
             4 => Mode::OneSided,
+            5 => Mode::Memcpy,
             _ => return None,
         })
     }
@@ -112,6 +116,42 @@ pub fn lat_iters(size: usize) -> usize {
 /// Default streaming iterations for `size`.
 pub fn bw_iters(size: usize) -> usize {
     ((1usize << 30) / size.max(1)).clamp(64, 20_000)
+}
+
+/// Single-thread `memcpy` bandwidth in MiB/s: `iters` copies of `size` bytes from one
+/// source into 16 rotating destinations (a streaming receiver's pattern), after one untimed
+/// copy into each destination.
+pub fn memcpy_bw(size: usize, iters: usize) -> f64 {
+    let src = vec![0x5au8; size];
+    let mut dst: Vec<Vec<u8>> = (0..WINDOW).map(|_| vec![0u8; size]).collect();
+    for d in dst.iter_mut() {
+        d.copy_from_slice(&src);
+    }
+    let t0 = Instant::now();
+    for i in 0..iters {
+        let d = &mut dst[i % WINDOW];
+        d.copy_from_slice(&src);
+        std::hint::black_box(&d);
+    }
+    (size * iters) as f64 / t0.elapsed().as_secs_f64() / (1 << 20) as f64
+}
+
+/// The median of `a / b` over pairs measured back to back (the lower middle one for an
+/// even count; pairs whose `b` is not positive are left out; NaN when none is left).
+/// `bandwidth` pairs each send trial with a `memcpy` trial: the host's memory bandwidth
+/// drifts by tens of percent within seconds on a shared machine, so a ratio of two bests
+/// taken at different moments says more about when each was taken than about the
+/// transport.
+pub fn median_ratio(pairs: &[(f64, f64)]) -> f64 {
+    let mut r: Vec<f64> = pairs
+        .iter()
+        .filter(|p| p.1 > 0.0)
+        .map(|p| p.0 / p.1)
+        .collect();
+    r.sort_by(f64::total_cmp);
+    r.get(r.len().saturating_sub(1) / 2)
+        .copied()
+        .unwrap_or(f64::NAN)
 }
 
 fn err(s: impl Into<String>) -> Error {
@@ -442,6 +482,15 @@ pub fn respond(peer: &mut Peer, max: usize) -> fabric_core::Result<()> {
                 repost(peer, c.buf.expect("buf"), slot)?;
                 ack(peer, &tx)?;
             }
+            Mode::Memcpy => {
+                let b = tx.slice(0, 8)?;
+                b.copy_from(&memcpy_bw(size, iters).to_le_bytes())?;
+                peer.send(b, 9)?;
+                let c = peer.next_completion()?;
+                if c.op != OpKind::Send {
+                    return Err(err("unexpected completion while answering a memcpy figure"));
+                }
+            }
         }
     }
 }
@@ -610,8 +659,13 @@ impl Initiator {
                     Err(e) => return Err(e.error),
                 }
             }
-            // Large transfers: sleep while the peer copies instead of taking its core.
-            let c = if size >= 64 << 10 {
+            // Large transfers on a shared CPU: sleep while the peer copies instead of taking
+            // its core. Pinned to a CPU of its own, the sender polls, as `ucx_perftest`'s
+            // does: a sleeping sender has the receiver signal it after every message it
+            // finishes (an eventfd write and, on a virtual machine, waking an idle vCPU),
+            // on the receiver's path between two copies — shm at 1 MiB ran at 0.78–0.88 ×
+            // memcpy with the sender sleeping, 0.98–1.06 × with it polling (BENCHMARKS.md).
+            let c = if size >= 64 << 10 && !PINNED.load(std::sync::atomic::Ordering::Relaxed) {
                 self.peer.next_patient()?
             } else {
                 self.peer.next_completion()?
@@ -681,6 +735,35 @@ impl Initiator {
         }
         let secs = t0.elapsed().as_secs_f64();
         Ok((size * iters) as f64 / secs / (1 << 20) as f64)
+    }
+
+    /// `memcpy` bandwidth measured by the responder on its own CPU ([`memcpy_bw`]): the
+    /// copy a receiver's transport makes runs there, and two CPUs of one virtual machine
+    /// may sit on host cores whose memory bandwidth differs by a fifth.
+    ///
+    /// # Errors
+    /// Transport failures, or a peer answering something else than a bandwidth.
+    pub fn peer_memcpy(&mut self, size: usize, iters: usize) -> fabric_core::Result<f64> {
+        self.control(Mode::Memcpy, size, iters)?;
+        let c = next_recv(&mut self.peer, &self.tx, self.slot)?;
+        let b = c.buf.expect("buf");
+        let mut v = [0u8; 8];
+        if c.len != v.len() {
+            return Err(err(format!(
+                "expected an 8-byte memcpy figure, got {} bytes",
+                c.len
+            )));
+        }
+        b.copy_to(&mut v)?;
+        repost(&mut self.peer, b, self.slot)?;
+        let mibs = f64::from_le_bytes(v);
+        if mibs.is_finite() && mibs > 0.0 {
+            Ok(mibs)
+        } else {
+            Err(err(format!(
+                "the peer's memcpy figure is not a bandwidth: {mibs}"
+            )))
+        }
     }
 
     /// Ends the run (the responder returns from [`respond`]).
@@ -983,7 +1066,25 @@ pub fn run_sides(
 
 #[cfg(test)]
 mod tests {
-    use super::mib_s_figure;
+    use super::{median_ratio, mib_s_figure};
+
+    #[test]
+    fn median_ratio_pairs_each_figure_with_its_own_reference() {
+        // Ratios 1.0, 3.0, 0.5: the median is 1.0 — not best / best (30 / 10 = 3.0).
+        assert_eq!(
+            median_ratio(&[(10.0, 10.0), (30.0, 10.0), (5.0, 10.0)]),
+            1.0
+        );
+        // Even count: the lower middle (0.5, 0.8, 1.0, 3.0 -> 0.8).
+        assert_eq!(
+            median_ratio(&[(10.0, 10.0), (30.0, 10.0), (5.0, 10.0), (8.0, 10.0)]),
+            0.8
+        );
+        // A reference that measured nothing is left out, not divided by.
+        assert_eq!(median_ratio(&[(7.0, 0.0), (9.0, 10.0)]), 0.9);
+        assert!(median_ratio(&[]).is_nan());
+        assert!(median_ratio(&[(1.0, 0.0)]).is_nan());
+    }
 
     #[test]
     fn small_bandwidth_figures_keep_three_significant_digits() {

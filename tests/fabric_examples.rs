@@ -93,7 +93,9 @@ fn bandwidth_all_modes() {
     let r = rows(&out);
     assert_eq!(r.len(), 5, "{out}");
     for row in &r {
-        for v in &row[1..6] {
+        // send, bisend, write, read, the responder's memcpy, send / memcpy.
+        assert_eq!(row.len(), 7, "{row:?}");
+        for v in &row[1..7] {
             assert!(v.parse::<f64>().expect("figure") > 0.0, "{row:?}");
         }
     }

@@ -9,7 +9,8 @@
 # vs UCX tag_lat "50.0%ile", both timing whole iterations (one clock read per round trip).
 # Bandwidth: streaming two-sided sends, ours (`bandwidth`
 # "send", one trial per run) vs UCX tag_bw "overall" (UCX prints MB/s = 2^20 bytes/s), and vs
-# `memcpy` measured by the same `bandwidth` run. Every program gets the same number of
+# `memcpy` measured by the same `bandwidth` run, right after the send, by the receiving process
+# on its own CPU (the copy a receiver makes runs there). Every program gets the same number of
 # samples: TRIALS (default 3) runs of one measurement each. Against UCX the best of each
 # program's runs is shown, so that a busy host's preemptions do not decide it. Only runs
 # measured with the two CPUs near each other count: the core-to-core probe before and after
