@@ -12,7 +12,9 @@
 # `memcpy` measured by the same `bandwidth` run, right after the send, by the receiving process
 # on its own CPU (the copy a receiver makes runs there). Every program gets the same number of
 # samples: TRIALS (default 3) runs of one measurement each. Against UCX the best of each
-# program's runs is shown, so that a busy host's preemptions do not decide it. Only runs
+# program's runs is shown, so that a busy host's preemptions do not decide it — of as many
+# counted runs of each as the one with fewer has (the first ones), since a row can be
+# measured again (below) and a best of more runs is a better best. Only runs
 # measured with the two CPUs near each other count: the core-to-core probe before and after
 # a run must stay within twice the lowest probe of the whole script (a virtual machine's
 # CPUs land near or far apart on the host in episodes, which moves every figure 2-4 x); a
@@ -116,16 +118,22 @@ near_or_far() {
     printf "%s", (near ? "near" : "far"); for (i = 3; i <= NF; i++) printf " %s", $i; print "" }'
 }
 any_near() { near_or_far <"$RUNS/$1" | grep -q '^near'; }
-# The runs of ROW that count: the near ones, or all of them (marked "far") when none was.
-counted() { near_or_far <"$RUNS/$1" | awk '{ r[NR] = $0; if ($1 == "near") n++ } END { for (i = 1; i <= NR; i++) if (!n || r[i] ~ /^near/) print r[i] }'; }
-# best_min / best_max ROW -> "figure near|far": the lowest (lat) or highest (bw) counted run
-best_min() { counted "$1" | sort -g -k2 | head -1 | awk '{ print $2, $1 }'; }
-best_max() { counted "$1" | sort -g -r -k2 | head -1 | awk '{ print $2, $1 }'; }
+# The runs of ROW that count: the near ones, or all of them (marked "far") when none was;
+# with K, only the first K of them (in the order they ran).
+counted() { near_or_far <"$RUNS/$1" | awk '{ r[NR] = $0; if ($1 == "near") n++ } END { for (i = 1; i <= NR; i++) if (!n || r[i] ~ /^near/) print r[i] }' | head -n "${2:-1000000}"; }
+# even A B -> how many counted runs each of two compared rows contributes: as many as the
+# one with fewer has. A best of 6 against a best of 3 would favour the row measured again
+# (rows with no near run are), not the faster program.
+even() { local a b; a=$(counted "$1" | wc -l); b=$(counted "$2" | wc -l); echo $((a < b ? a : b)); }
+# best_min / best_max ROW [K] -> "figure near|far": the lowest (lat) or highest (bw) of the
+# (first K) counted runs
+best_min() { counted "$1" "${2:-}" | sort -g -k2 | head -1 | awk '{ print $2, $1 }'; }
+best_max() { counted "$1" "${2:-}" | sort -g -r -k2 | head -1 | awk '{ print $2, $1 }'; }
 ucx_lat() { ucx "$1" tag_lat "$2" "$3" | cut -d' ' -f1; }
 ucx_bw() { ucx "$1" tag_bw "$2" "$3" "$BW_WARMUP" | cut -d' ' -f2; }
-# best_pair ROW -> "send memcpy near|far" of the counted run with the highest send (for the
-# comparison of send with UCX)
-best_pair() { counted "$1" | awk 'NF == 3' | sort -g -r -k2 | head -1 | awk '{ print $2, $3, $1 }'; }
+# best_pair ROW [K] -> "send memcpy near|far" of the (first K) counted run with the highest
+# send (for the comparison of send with UCX)
+best_pair() { counted "$1" "${2:-}" | awk 'NF == 3' | sort -g -r -k2 | head -1 | awk '{ print $2, $3, $1 }'; }
 # median_pair ROW -> "send memcpy near|far" of the counted run whose send/memcpy ratio is the
 # median (the lower middle one for an even count)
 median_pair() {
@@ -167,19 +175,23 @@ done
 echo "| transport | figure | size | ours | reference | ratio ours/ref | target (issue 12) |"
 echo "| --- | --- | ---: | ---: | ---: | ---: | --- |"
 for s in 8 4096 65536; do
-  read -r o of < <(best_min "shm-lat-$s-ours"); read -r u uf < <(best_min "shm-lat-$s-ref")
+  k=$(even "shm-lat-$s-ours" "shm-lat-$s-ref")
+  read -r o of < <(best_min "shm-lat-$s-ours" "$k"); read -r u uf < <(best_min "shm-lat-$s-ref" "$k")
   echo "| shm | latency median (us) | $s | $o | UCX posix $u | $(ratio "$o" "$u") | $([ "$s" = 8 ] && echo "<= 1.0" || echo "keep the lead (< 1.0)")$(far "$of" "$uf") |"
 done
 for s in 1048576 4194304; do
-  read -r o m of < <(median_pair "shm-bw-$s-ours"); read -r u uf < <(best_max "shm-bw-$s-ref")
+  k=$(even "shm-bw-$s-ours" "shm-bw-$s-ref")
+  read -r o m of < <(median_pair "shm-bw-$s-ours"); read -r u uf < <(best_max "shm-bw-$s-ref" "$k")
   echo "| shm | bandwidth (MiB/s) | $s | $o | memcpy $m | $(ratio "$o" "$m") | >= 0.95 (UCX posix: $u)$(far "$of" "$uf") |"
 done
 for s in 8 65536; do
-  read -r o of < <(best_min "tcp-lat-$s-ours"); read -r u uf < <(best_min "tcp-lat-$s-ref")
+  k=$(even "tcp-lat-$s-ours" "tcp-lat-$s-ref")
+  read -r o of < <(best_min "tcp-lat-$s-ours" "$k"); read -r u uf < <(best_min "tcp-lat-$s-ref" "$k")
   echo "| tcp | latency median (us) | $s | $o | UCX tcp $u | $(ratio "$o" "$u") | $([ "$s" = 8 ] && echo "<= 1.0" || echo "keep the lead (< 1.0)")$(far "$of" "$uf") |"
 done
 for s in 1048576 4194304; do
-  read -r o _ of < <(best_pair "tcp-bw-$s-ours"); read -r u uf < <(best_max "tcp-bw-$s-ref")
+  k=$(even "tcp-bw-$s-ours" "tcp-bw-$s-ref")
+  read -r o _ of < <(best_pair "tcp-bw-$s-ours" "$k"); read -r u uf < <(best_max "tcp-bw-$s-ref" "$k")
   echo "| tcp | bandwidth (MiB/s) | $s | $o | UCX tcp $u | $(ratio "$o" "$u") | >= 1.0$(far "$of" "$uf") |"
 done
 echo
