@@ -128,9 +128,13 @@ for t in $TRANSPORTS; do
       break
     fi
   done
-  # Per size, the row of the fastest selected round (time in column 5), in the sizes' order.
+  # Per size, the row of the fastest selected round (time in column 5), in the sizes' order;
+  # of as many near rounds of each program as the one with fewer has (the first ones): a
+  # fastest of two sweeps against a fastest of one would favour the luckier program.
+  n_mpi=$(near_rounds "$t" mpi | wc -w); n_ours=$(near_rounds "$t" ours | wc -w)
+  keep=$((n_mpi < n_ours ? n_mpi : n_ours))
   for p in mpi ours; do
-    sel=$(near_rounds "$t" "$p")
+    sel=$(near_rounds "$t" "$p" | tr ' ' '\n' | grep . | head -n "$keep" | tr '\n' ' ' | sed 's/ $//' || true)
     files=()
     if [ -n "$sel" ]; then
       for x in $sel; do files+=("$OUT/$p-$t.$x.txt"); done
