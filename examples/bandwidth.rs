@@ -86,8 +86,8 @@ fn measure(args: &Args, mut peer: Peer) -> Result<(), Box<dyn std::error::Error>
     println!(
         "fabric bandwidth: transport {kind} on the {engine}, {} in flight, MiB/s (bisend: per direction); \
          memcpy = one thread of the receiving side copying the same sizes on its CPU, right after \
-         each send trial; best of {} trials, each size and mode after {} untimed messages; send/memcpy = the median of \
-         the trials' ratios",
+         each send trial; best of {} trials, each size and mode after {} untimed messages; \
+         send/memcpy = the median of the trials' ratios",
         perf::WINDOW,
         args.trials.max(1),
         args

@@ -483,6 +483,13 @@ pub fn respond(peer: &mut Peer, max: usize) -> fabric_core::Result<()> {
                 ack(peer, &tx)?;
             }
             Mode::Memcpy => {
+                // The reference allocates 17 buffers of `size`: no larger than the messages
+                // this run was set up for.
+                if size > slot {
+                    return Err(err(format!(
+                        "memcpy reference of {size} bytes asked for, messages are at most {slot}"
+                    )));
+                }
                 let b = tx.slice(0, 8)?;
                 b.copy_from(&memcpy_bw(size, iters).to_le_bytes())?;
                 peer.send(b, 9)?;
