@@ -13,8 +13,8 @@
 # on its own CPU (the copy a receiver makes runs there). Every program gets the same number of
 # samples: TRIALS (default 3) runs of one measurement each. Against UCX the best of each
 # program's runs is shown, so that a busy host's preemptions do not decide it — of as many
-# counted runs of each as the one with fewer has (the first ones), since a row can be
-# measured again (below) and a best of more runs is a better best. Only runs
+# counted runs of each as the one with fewer has (the first ones): the number of near runs
+# differs between rows by chance, and a best of more runs is a better best. Only runs
 # measured with the two CPUs near each other count: the core-to-core probe before and after
 # a run must stay within twice the lowest probe of the whole script (a virtual machine's
 # CPUs land near or far apart on the host in episodes, which moves every figure 2-4 x); a
@@ -122,8 +122,8 @@ any_near() { near_or_far <"$RUNS/$1" | grep -q '^near'; }
 # with K, only the first K of them (in the order they ran).
 counted() { near_or_far <"$RUNS/$1" | awk '{ r[NR] = $0; if ($1 == "near") n++ } END { for (i = 1; i <= NR; i++) if (!n || r[i] ~ /^near/) print r[i] }' | head -n "${2:-1000000}"; }
 # even A B -> how many counted runs each of two compared rows contributes: as many as the
-# one with fewer has. A best of 6 against a best of 3 would favour the row measured again
-# (rows with no near run are), not the faster program.
+# one with fewer has. A best of three against a best of one favours the program that
+# happened to have more near runs (or more runs at all), not the faster one.
 even() { local a b; a=$(counted "$1" | wc -l); b=$(counted "$2" | wc -l); echo $((a < b ? a : b)); }
 # best_min / best_max ROW [K] -> "figure near|far": the lowest (lat) or highest (bw) of the
 # (first K) counted runs
