@@ -1583,11 +1583,11 @@ impl Hal for ShmHal {
         Ok(())
     }
 
+    const SENDS_NOW: bool = true;
+
     /// A send that fits one eager record goes into the ring at once (the caller checked
     /// that nothing is queued ahead of it); the rest (rendezvous, several records, a full
     /// ring) take the queue.
-    const SENDS_NOW: bool = true;
-
     #[inline]
     fn send_now(&mut self, buf: &Buf, tag: u64) -> bool {
         let len = buf.len();
