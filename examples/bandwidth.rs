@@ -114,13 +114,11 @@ fn measure(args: &Args, mut peer: Peer) -> Result<(), Box<dyn std::error::Error>
         for m in &modes {
             pb.set_message(format!("{size} B {m}"));
             let mut bw: Option<f64> = None;
-            let one_sided = caps.one_sided;
-            let run = |ini: &mut Initiator, n: usize| run_mode(ini, m, size, n, one_sided);
             if warmup > 0 {
-                run(&mut ini, warmup)?; // not timed
+                run_mode(&mut ini, m, size, warmup, caps.one_sided)?; // not timed
             }
             for _ in 0..args.trials.max(1) {
-                let b = run(&mut ini, iters)?;
+                let b = run_mode(&mut ini, m, size, iters, caps.one_sided)?;
                 if let (true, Some(s)) = (*m == "send", b) {
                     // The reference right after, so both see the same host.
                     pairs.push((s, ini.peer_memcpy(size, iters)?));

@@ -656,6 +656,13 @@ impl Initiator {
     /// Transport failures or a peer breaking the protocol.
     pub fn stream(&mut self, size: usize, iters: usize, bi: bool) -> fabric_core::Result<f64> {
         self.control(if bi { Mode::BiStream } else { Mode::Stream }, size, iters)?;
+        // Large transfers on a shared CPU: sleep while the peer copies instead of taking its
+        // core. Pinned to a CPU of its own, the sender polls, as `ucx_perftest`'s does: a
+        // sleeping sender has the receiver signal it after every message it finishes (an
+        // eventfd write and, on a virtual machine, waking an idle vCPU), on the receiver's
+        // path between two copies — shm at 1 MiB ran at 0.78–0.88 × memcpy with the sender
+        // sleeping, 0.98–1.06 × with it polling (BENCHMARKS.md).
+        let patient = size >= 64 << 10 && !PINNED.load(std::sync::atomic::Ordering::Relaxed);
         let t0 = Instant::now();
         let (mut sent, mut done, mut got, mut acked) = (0, 0, 0, false);
         while done < iters || (bi && got < iters) || !acked {
@@ -666,13 +673,7 @@ impl Initiator {
                     Err(e) => return Err(e.error),
                 }
             }
-            // Large transfers on a shared CPU: sleep while the peer copies instead of taking
-            // its core. Pinned to a CPU of its own, the sender polls, as `ucx_perftest`'s
-            // does: a sleeping sender has the receiver signal it after every message it
-            // finishes (an eventfd write and, on a virtual machine, waking an idle vCPU),
-            // on the receiver's path between two copies — shm at 1 MiB ran at 0.78–0.88 ×
-            // memcpy with the sender sleeping, 0.98–1.06 × with it polling (BENCHMARKS.md).
-            let c = if size >= 64 << 10 && !PINNED.load(std::sync::atomic::Ordering::Relaxed) {
+            let c = if patient {
                 self.peer.next_patient()?
             } else {
                 self.peer.next_completion()?
