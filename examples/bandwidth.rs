@@ -41,6 +41,11 @@ struct Args {
     /// Trials per measurement; the best is printed (filters out preemption on busy hosts).
     #[arg(long, default_value_t = 3)]
     trials: usize,
+    /// Mark the receive buffers of the send and bisend phases as streaming
+    /// (`Region::set_streaming`): shm copies messages of 64 KiB and more into them with
+    /// non-temporal stores. The memcpy reference stays an ordinary `memcpy`.
+    #[arg(long)]
+    streaming_receives: bool,
     /// Modes to run, comma separated: send, bisend, write, read.
     #[arg(long, default_value = "send,bisend,write,read", value_delimiter = ',')]
     modes: Vec<String>,
@@ -76,6 +81,7 @@ fn measure(args: &Args, mut peer: Peer) -> Result<(), Box<dyn std::error::Error>
     let conn = peer.conn()?;
     let (kind, caps) = (conn.kind(), conn.capabilities());
     let mut ini = Initiator::new(peer, max)?;
+    ini.set_streaming_receives(args.streaming_receives);
     let sizes = perf::sizes(args.min_size, max);
     let modes: Vec<&str> = args.modes.iter().map(|s| s.trim()).collect();
     for m in &modes {
@@ -87,12 +93,20 @@ fn measure(args: &Args, mut peer: Peer) -> Result<(), Box<dyn std::error::Error>
         "fabric bandwidth: transport {kind} on the {engine}, {} in flight, MiB/s (bisend: per direction); \
          memcpy = one thread of the receiving side copying the same sizes on its CPU, right after \
          each send trial; best of {} trials, each size and mode after {} untimed messages; \
-         send/memcpy = the median of the trials' ratios",
+         send/memcpy = the median of the trials' ratios{}",
         perf::WINDOW,
         args.trials.max(1),
         args
             .warmup
-            .map_or_else(|| "iterations / 4".into(), |w| w.to_string())
+            .map_or_else(|| "iterations / 4".into(), |w| w.to_string()),
+        if args.streaming_receives {
+            format!(
+                "; receives streaming (non-temporal copies from {} KiB on shm)",
+                fabric_core::Region::STREAMING_MIN_BYTES >> 10
+            )
+        } else {
+            String::new()
+        }
     );
     let mut head = format!("{:>10}", "#bytes");
     for m in &modes {

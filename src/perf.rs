@@ -346,16 +346,20 @@ impl Peer {
     }
 }
 
-fn ctrl(mode: Mode, size: usize, iters: usize) -> [u8; CTRL_LEN] {
+/// Control flag: the phase's receives stream ([`Region::set_streaming`]).
+const FLAG_STREAMING: u32 = 1;
+
+fn ctrl(mode: Mode, size: usize, iters: usize, flags: u32) -> [u8; CTRL_LEN] {
     let mut b = [0u8; CTRL_LEN];
     b[0..4].copy_from_slice(&CTRL_MAGIC.to_le_bytes());
     b[4..8].copy_from_slice(&(mode as u32).to_le_bytes());
     b[8..16].copy_from_slice(&(size as u64).to_le_bytes());
     b[16..24].copy_from_slice(&(iters as u64).to_le_bytes());
+    b[24..28].copy_from_slice(&flags.to_le_bytes());
     b
 }
 
-fn parse_ctrl(b: &[u8]) -> fabric_core::Result<(Mode, usize, usize)> {
+fn parse_ctrl(b: &[u8]) -> fabric_core::Result<(Mode, usize, usize, u32)> {
     if b.len() != CTRL_LEN || b[0..4] != CTRL_MAGIC.to_le_bytes() {
         return Err(err("expected a control message"));
     }
@@ -365,7 +369,11 @@ fn parse_ctrl(b: &[u8]) -> fabric_core::Result<(Mode, usize, usize)> {
         u64::from_le_bytes(a)
     };
     let mode = Mode::from(u(4..8) as u32).ok_or_else(|| err("unknown mode"))?;
-    Ok((mode, u(8..16) as usize, u(16..24) as usize))
+    let flags = u(24..28) as u32;
+    if flags & !FLAG_STREAMING != 0 || b[28..32] != [0; 4] {
+        return Err(err(format!("unknown control flags {flags:#x}")));
+    }
+    Ok((mode, u(8..16) as usize, u(16..24) as usize, flags))
 }
 
 /// The responder: serves phases until `Quit`. `max` is the largest message size.
@@ -406,7 +414,7 @@ pub fn respond(peer: &mut Peer, max: usize) -> fabric_core::Result<()> {
             )));
         }
         buf.copy_to(&mut cb)?;
-        let (mode, size, iters) = parse_ctrl(&cb)?;
+        let (mode, size, iters, flags) = parse_ctrl(&cb)?;
         if mode == Mode::Quit {
             // Acknowledge, so the initiator leaves only after we read everything (a TCP
             // close with unread data resets the connection). It may hang up as soon as the
@@ -453,6 +461,8 @@ pub fn respond(peer: &mut Peer, max: usize) -> fabric_core::Result<()> {
             }
             Mode::Stream | Mode::BiStream => {
                 let bi = mode == Mode::BiStream;
+                // For this phase only: the echo of a ping-pong reads what it received.
+                rx.set_streaming(flags & FLAG_STREAMING != 0);
                 let (mut got, mut sent, mut sends_out) = (0, 0, 0);
                 while got < iters || (bi && sent < iters) || sends_out > 0 {
                     while bi && sent < iters && sends_out < WINDOW {
@@ -472,6 +482,7 @@ pub fn respond(peer: &mut Peer, max: usize) -> fabric_core::Result<()> {
                         _ => sends_out -= 1,
                     }
                 }
+                rx.set_streaming(false);
                 ack(peer, &tx)?;
             }
             Mode::OneSided => {
@@ -530,7 +541,7 @@ fn next_recv(peer: &mut Peer, _rx: &Region, _slot: usize) -> fabric_core::Result
 #[derive(Debug)]
 pub struct Initiator {
     peer: Peer,
-    _rx: Region,
+    rx: Region,
     tx: Region,
     scratch: Region,
     remote: RemoteKey,
@@ -563,7 +574,7 @@ impl Initiator {
         repost(&mut peer, b, slot)?;
         Ok(Initiator {
             peer,
-            _rx: rx,
+            rx,
             tx,
             scratch,
             remote,
@@ -577,6 +588,13 @@ impl Initiator {
         &self.clock
     }
 
+    /// Whether the receives of streaming phases ([`stream`](Self::stream)) stream into
+    /// their buffers — the responder's, and this side's in a bidirectional phase
+    /// ([`Region::set_streaming`]: non-temporal copies on shm; no effect elsewhere).
+    pub fn set_streaming_receives(&mut self, on: bool) {
+        self.rx.set_streaming(on);
+    }
+
     /// The peer in use (its connection, and whether a worker drives it).
     pub fn peer(&mut self) -> &mut Peer {
         &mut self.peer
@@ -586,7 +604,8 @@ impl Initiator {
         let b = self.tx.slice(0, CTRL_LEN)?;
         // The control bytes go into tx[0..32]; data phases reuse tx afterwards, which is
         // fine: the send completed (copied or on the wire) before we return.
-        b.copy_from(&ctrl(mode, size, iters))?;
+        let streams = self.rx.is_streaming() && matches!(mode, Mode::Stream | Mode::BiStream);
+        b.copy_from(&ctrl(mode, size, iters, u32::from(streams)))?;
         self.peer.send(b, 100)?;
         let c = self.peer.next_completion()?;
         if c.op != OpKind::Send {
@@ -1074,7 +1093,26 @@ pub fn run_sides(
 
 #[cfg(test)]
 mod tests {
-    use super::{median_ratio, mib_s_figure};
+    use super::{ctrl, median_ratio, mib_s_figure, parse_ctrl, Mode, FLAG_STREAMING};
+
+    #[test]
+    fn control_messages_carry_the_streaming_flag_and_refuse_unknown_ones() {
+        let (mode, size, iters, flags) =
+            parse_ctrl(&ctrl(Mode::Stream, 4 << 20, 96, FLAG_STREAMING)).expect("parse");
+        assert_eq!(
+            (mode, size, iters, flags),
+            (Mode::Stream, 4 << 20, 96, FLAG_STREAMING)
+        );
+        let (.., flags) = parse_ctrl(&ctrl(Mode::BiStream, 1, 2, 0)).expect("parse");
+        assert_eq!(flags, 0);
+        assert!(
+            parse_ctrl(&ctrl(Mode::Stream, 1, 2, 2)).is_err(),
+            "unknown flag bit"
+        );
+        let mut b = ctrl(Mode::Stream, 1, 2, 0);
+        b[31] = 1;
+        assert!(parse_ctrl(&b).is_err(), "reserved bytes set");
+    }
 
     #[test]
     fn median_ratio_pairs_each_figure_with_its_own_reference() {

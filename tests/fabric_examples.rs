@@ -101,6 +101,42 @@ fn bandwidth_all_modes() {
     }
 }
 
+/// `--streaming-receives` marks both sides' receive buffers streaming for the send phases
+/// (the responder learns it from the phase's control message): the run says so and
+/// measures every size.
+#[test]
+fn bandwidth_with_streaming_receives() {
+    let Some(out) = run(
+        "bandwidth",
+        &[
+            "--min-size",
+            "65536",
+            "--max-size",
+            "1048576",
+            "--iters",
+            "50",
+            "--trials",
+            "1",
+            "--modes",
+            "send,bisend",
+            "--streaming-receives",
+        ],
+        &[],
+    ) else {
+        return;
+    };
+    assert!(out.contains("receives streaming"), "{out}");
+    let r = rows(&out);
+    assert_eq!(r.len(), 5, "{out}");
+    for row in &r {
+        // send, bisend, the responder's memcpy, send / memcpy.
+        assert_eq!(row.len(), 5, "{row:?}");
+        for v in &row[1..5] {
+            assert!(v.parse::<f64>().expect("figure") > 0.0, "{row:?}");
+        }
+    }
+}
+
 #[test]
 fn fabric_info_reports_without_panicking() {
     let Some(out) = run("fabric_info", &[], &[]) else {

@@ -10,7 +10,9 @@
 # Bandwidth: streaming two-sided sends, ours (`bandwidth`
 # "send", one trial per run) vs UCX tag_bw "overall" (UCX prints MB/s = 2^20 bytes/s), and vs
 # `memcpy` measured by the same `bandwidth` run, right after the send, by the receiving process
-# on its own CPU (the copy a receiver makes runs there). Every program gets the same number of
+# on its own CPU (the copy a receiver makes runs there). shm is measured twice: as is, and with
+# the receive buffers marked streaming (`bandwidth --streaming-receives`: non-temporal copies;
+# the memcpy reference stays an ordinary memcpy). Every program gets the same number of
 # samples: TRIALS (default 3) runs of one measurement each. Against UCX the best of each
 # program's runs is shown, so that a busy host's preemptions do not decide it — of as many
 # counted runs of each as the one with fewer has (the first ones): the number of near runs
@@ -79,12 +81,14 @@ ours_lat() {
 # congestion control"); the raw lines show the count of each bandwidth run.
 retrans() { { nstat -az TcpRetransSegs 2>/dev/null || true; } | awk '$1 == "TcpRetransSegs" { print $2; f = 1 } END { if (!f) print "?" }'; }
 since() { awk -v a="$1" -v b="$(retrans)" 'BEGIN { if (a == "?" || b == "?") print "?"; else print b - a }'; }
-# ours_bw TRANSPORT SIZE ITERS -> "send_MiBs memcpy_MiBs" of one run (one trial, like UCX)
+# ours_bw TRANSPORT SIZE ITERS [FLAG] -> "send_MiBs memcpy_MiBs" of one run (one trial, like
+# UCX); FLAG: an extra `bandwidth` flag (--streaming-receives)
 ours_bw() {
-  local out r0
+  local out r0 extra=()
+  [ -n "${4:-}" ] && extra=("$4")
   r0=$(retrans)
-  out=$(FABRIC_TRANSPORT=$1 "$BW" --modes send --min-size "$2" --max-size "$2" --iters "$3" --warmup "$BW_WARMUP" --trials 1 </dev/null)
-  echo "ours $1 bw $2: $(echo "$out" | tail -1) (tcp retransmissions: $(since "$r0"))" >&2
+  out=$(FABRIC_TRANSPORT=$1 "$BW" --modes send --min-size "$2" --max-size "$2" --iters "$3" --warmup "$BW_WARMUP" --trials 1 "${extra[@]}" </dev/null)
+  echo "ours $1 bw $2${4:+ $4}: $(echo "$out" | tail -1) (tcp retransmissions: $(since "$r0"))" >&2
   echo "$out" | awk -v s="$2" '$1 == s {print $2, $3}'
 }
 # record ROW FN... -> runs the measurement (which prints its figures) TRIALS times, and
@@ -162,6 +166,7 @@ done
 for s in 1048576 4194304; do
   record "shm-bw-$s-ours" ours_bw shm "$s" "$BW_ITERS"
   record "shm-bw-$s-ref" ucx_bw posix,self "$s" "$BW_ITERS"
+  record "shm-bwst-$s-ours" ours_bw shm "$s" "$BW_ITERS" --streaming-receives
 done
 for s in 8 65536; do
   record "tcp-lat-$s-ours" ours_lat tcp "$s" "$((ITERS / 4))"
@@ -189,6 +194,8 @@ for s in 1048576 4194304; do
   k=$(even "shm-bw-$s-ours" "shm-bw-$s-ref")
   read -r o m of < <(median_pair "shm-bw-$s-ours"); read -r u uf < <(best_max "shm-bw-$s-ref" "$k")
   echo "| shm | bandwidth (MiB/s) | $s | $o | memcpy $m | $(ratio "$o" "$m") | >= 0.95 (UCX posix: $u)$(far "$of" "$uf") |"
+  read -r o m of < <(median_pair "shm-bwst-$s-ours")
+  echo "| shm | bandwidth, streaming receives (MiB/s) | $s | $o | memcpy $m | $(ratio "$o" "$m") | >= 0.95 (\`Region::set_streaming\`)$(far "$of" "") |"
 done
 for s in 8 65536; do
   k=$(even "tcp-lat-$s-ours" "tcp-lat-$s-ref")

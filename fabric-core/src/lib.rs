@@ -107,6 +107,7 @@
 
 #[cfg(all(not(fabric_loom), feature = "tokio"))]
 pub mod async_worker;
+mod copy;
 #[cfg(not(fabric_loom))]
 pub mod domain;
 mod error;

@@ -14,7 +14,7 @@
 
 use std::fmt;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use memmap2::MmapRaw;
@@ -134,6 +134,8 @@ pub(crate) struct RegionInner {
     pub(crate) device: Option<Box<dyn DeviceBacking>>,
     /// Local-borrow bookkeeping (see [`Lend`]).
     lend: Lend,
+    /// Receives copy into it with non-temporal stores ([`Region::set_streaming`]).
+    streaming: AtomicBool,
     mem: Memory,
 }
 
@@ -209,6 +211,7 @@ impl Region {
                 fd: p.fd,
                 device: p.device,
                 lend: Lend::new(),
+                streaming: AtomicBool::new(false),
                 mem: p.mem,
             }),
         }
@@ -278,6 +281,41 @@ impl Region {
     /// fabric-core.
     pub fn is_caller_memory(&self) -> bool {
         matches!(self.inner.mem, Memory::Caller { .. })
+    }
+
+    /// Messages shorter than this are copied with ordinary stores even into a streaming
+    /// region ([`set_streaming`](Self::set_streaming)).
+    pub const STREAMING_MIN_BYTES: usize = crate::copy::STREAMING_MIN_BYTES;
+
+    /// Says whether what the transport copies into this region *streams*: data the
+    /// application will not read again soon, spread over more buffers than the cache holds
+    /// (a pool of receive buffers cycled through, a KV-cache block store). Then messages of
+    /// at least [`STREAMING_MIN_BYTES`](Self::STREAMING_MIN_BYTES) are copied in with
+    /// non-temporal stores, which do not read the destination first and leave the cache to
+    /// the rest of the program: up to twice `memcpy`'s speed into memory that is not cached
+    /// (BENCHMARKS.md). Into a buffer that is read right away or reused (a staging buffer),
+    /// they run at about half of a cached `memcpy`: leave the hint off there (the default).
+    ///
+    /// Honoured where the CPU makes the copy on the receiver: **shm** receives (eager and
+    /// rendezvous) and shm one-sided reads into this region. Elsewhere the bytes are not
+    /// the receiving CPU's stores (tcp: the kernel's copy out of the socket; verbs: the
+    /// NIC's DMA) and the hint changes nothing. It can be changed at any time; a copy
+    /// already running keeps the setting it started with. The data is complete and
+    /// visible to every thread when its completion is reported, as with ordinary copies.
+    pub fn set_streaming(&self, on: bool) {
+        self.inner.streaming.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether receives stream into this region ([`set_streaming`](Self::set_streaming)).
+    pub fn is_streaming(&self) -> bool {
+        self.inner.streaming.load(Ordering::Relaxed)
+    }
+
+    /// Whether a copy of a `msg_len`-byte message into this region streams.
+    #[cfg_attr(fabric_loom, allow(dead_code))]
+    #[inline]
+    pub(crate) fn streams(&self, msg_len: usize) -> bool {
+        msg_len >= Self::STREAMING_MIN_BYTES && self.is_streaming()
     }
 
     /// The key a peer needs to address this region, or `None` without remote access.

@@ -47,6 +47,7 @@ use memmap2::MmapRaw;
 
 use super::accept::{self, AcceptQueue, Connecting, Handshake};
 use super::{BackendEntry, Connector, Endpoint, Hal, Listener, WatchFds};
+use crate::copy;
 use crate::domain::{Domain, DomainBackend, MemorySupport, Source};
 use crate::error::{Error, Result};
 use crate::region::{check_range, Access, Buf, Memory, Region};
@@ -1046,7 +1047,7 @@ impl ShmHal {
                             if write {
                                 std::ptr::copy_nonoverlapping(local, rp, len);
                             } else {
-                                std::ptr::copy_nonoverlapping(rp, local, len);
+                                copy::copy(rp, local, len, p.buf.region().streams(len));
                             }
                         }
                         Status::Success
@@ -1275,8 +1276,9 @@ impl ShmHal {
                                     self.rx_state = RxState::Discarding { left: total - n };
                                 }
                             } else {
+                                let streams = buf.region().streams(total);
                                 // SAFETY: n <= total <= buf.len(); `src` has n bytes.
-                                unsafe { std::ptr::copy_nonoverlapping(src, buf.as_ptr(), n) };
+                                unsafe { copy::copy(src, buf.as_ptr(), n, streams) };
                                 if n == total {
                                     t.complete_recv_into(
                                         at,
@@ -1328,9 +1330,10 @@ impl ShmHal {
                     let Some(buf) = t.recv_buf(*at) else {
                         return Err(Error::Protocol("receive finished while filling".into()));
                     };
+                    let streams = buf.region().streams(*total);
                     // SAFETY: got + len <= total <= buf.len().
                     self.rx
-                        .read_into_raw(&rec, unsafe { buf.as_ptr().add(*got) });
+                        .read_into_raw(&rec, unsafe { buf.as_ptr().add(*got) }, streams);
                     *got += rec.len;
                     if *got == *total {
                         let (at, tag, total) = (*at, *tag, *total);
@@ -1347,7 +1350,7 @@ impl ShmHal {
                     };
                     // SAFETY: got + len <= total, and `dst` has `total` bytes until
                     // `stash_end`.
-                    self.rx.read_into_raw(&rec, unsafe { dst.add(*got) });
+                    self.rx.read_into_raw(&rec, unsafe { dst.add(*got) }, false);
                     *got += rec.len;
                     if *got == *total {
                         t.stash_end();
@@ -1410,10 +1413,11 @@ impl ShmHal {
                             if len > buf.len() {
                                 t.complete_recv(at, Status::MessageTooLong, len, tag, None);
                             } else {
+                                let streams = buf.region().streams(len);
                                 // SAFETY: `src` has `len` bytes of the peer's region, which
                                 // the peer does not reuse until we count this message done;
                                 // the receive buffer has at least `len` bytes.
-                                unsafe { std::ptr::copy_nonoverlapping(src, buf.as_ptr(), len) };
+                                unsafe { copy::copy(src, buf.as_ptr(), len, streams) };
                                 t.complete_recv_into(at, Status::Success, len, tag, None, sink);
                             }
                         }
@@ -1532,10 +1536,10 @@ pub fn decode_announcement(
 }
 
 impl Consumer {
-    fn read_into_raw(&self, rec: &ring::Record, dst: *mut u8) {
+    fn read_into_raw(&self, rec: &ring::Record, dst: *mut u8, streaming: bool) {
         // SAFETY: callers pass a destination with at least `rec.len` writable bytes of a
         // registered region; the record's payload was validated by `peek`.
-        unsafe { std::ptr::copy_nonoverlapping(self.payload_ptr(rec), dst, rec.len) };
+        unsafe { copy::copy(self.payload_ptr(rec), dst, rec.len, streaming) };
     }
 }
 
@@ -1756,6 +1760,111 @@ mod tests {
         assert_eq!(got[0].1, long, "the long message first, whole");
         assert_eq!(got[1].0, 4);
         assert_eq!(&got[1].1, b"after the long one");
+    }
+
+    /// Messages of at least `STREAMING_MIN_BYTES` into a region marked streaming are copied
+    /// with the streaming copy — by rendezvous, eagerly (caller memory) and by a one-sided
+    /// read — and land whole; a shorter message, or the same message once the hint is off,
+    /// takes the ordinary copy. (Counted by the copy's test-only tally of this thread.)
+    #[test]
+    fn receives_into_a_streaming_region_stream_and_only_those() {
+        use crate::backend::{self, Options};
+        use crate::copy::STREAMED;
+        use crate::transport::{Completion, Transport};
+        use std::time::{Duration, Instant};
+        let min = Region::STREAMING_MIN_BYTES;
+        let opts = Options::default();
+        let mut l = backend::listen(KIND, &opts).expect("listen");
+        let mut c = backend::connect(l.address(), &opts).expect("connect");
+        let (mut a, mut b) =
+            backend::loopback(l.as_mut(), c.as_mut(), Duration::from_secs(10)).expect("loopback");
+        let pattern = |n: usize, seed: usize| -> Vec<u8> {
+            (0..n).map(|i| ((i * 31 + seed) % 253) as u8).collect()
+        };
+        // fabric-core memory (rendezvous), caller memory (eager), a short rendezvous message.
+        let big = a.register(4 * min, Access::REMOTE_READ).expect("big");
+        big.write_at(0, &pattern(4 * min, 1)).expect("fill big");
+        let eager = a
+            .domain()
+            .register_memory(pattern(2 * min, 2), Access::empty())
+            .expect("eager");
+        let short = a.register(min / 2, Access::empty()).expect("short");
+        short.write_at(0, &pattern(min / 2, 3)).expect("fill short");
+        let rx = b.register(8 * min, Access::empty()).expect("rx");
+        assert!(!rx.is_streaming(), "off by default");
+        rx.set_streaming(true);
+        assert!(rx.is_streaming());
+
+        // Runs one exchange; returns the bytes the receiving thread streamed and what landed.
+        let exchange = |a: &mut Box<dyn Transport>,
+                        b: &mut Box<dyn Transport>,
+                        send: Option<Buf>,
+                        read: Option<(usize, crate::RemoteKey)>|
+         -> (usize, Vec<u8>) {
+            let before = STREAMED.with(|s| s.get());
+            let n = match (&send, &read) {
+                (Some(s), _) => s.len(),
+                (None, Some((n, _))) => *n,
+                (None, None) => unreachable!("one of the two"),
+            };
+            let dst = rx.slice(0, n).expect("rx slice");
+            match (send, read) {
+                (Some(s), _) => {
+                    b.post_recv(dst, 7).expect("recv");
+                    a.post_send(s, 8).expect("send");
+                }
+                (None, Some((_, key))) => b.post_read(dst, &key, 0, 9).expect("read"),
+                (None, None) => unreachable!(),
+            }
+            let mut out: Vec<Completion> = (0..4).map(|_| Completion::default()).collect();
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let mut landed = None;
+            let mut sent = read.is_some();
+            while (landed.is_none() || !sent) && Instant::now() < deadline {
+                let k = a.poll(&mut out).expect("poll a");
+                for c in &out[..k] {
+                    assert!(c.status.is_ok(), "send {:?}", c.status);
+                    sent = true;
+                }
+                let k = b.poll(&mut out).expect("poll b");
+                if let Some(c) = out[..k].iter().next() {
+                    assert!(c.status.is_ok(), "{:?} {:?}", c.op, c.status);
+                    let mut v = vec![0u8; n];
+                    c.buf
+                        .as_ref()
+                        .expect("buf")
+                        .copy_to(&mut v)
+                        .expect("read out");
+                    landed = Some(v);
+                }
+            }
+            let v = landed.expect("the message lands within 10 s");
+            (STREAMED.with(|s| s.get()) - before, v)
+        };
+
+        let (streamed, v) = exchange(&mut a, &mut b, Some(big.full()), None);
+        assert_eq!(v, pattern(4 * min, 1), "rendezvous message whole");
+        assert_eq!(streamed, 4 * min, "rendezvous copy streamed");
+        let (streamed, v) = exchange(&mut a, &mut b, Some(eager.full()), None);
+        assert_eq!(v, pattern(2 * min, 2), "eager message whole");
+        assert_eq!(streamed, 2 * min, "every eager record streamed");
+        let (streamed, v) = exchange(&mut a, &mut b, Some(short.full()), None);
+        assert_eq!(v, pattern(min / 2, 3));
+        assert_eq!(
+            streamed, 0,
+            "a message under STREAMING_MIN_BYTES is copied as usual"
+        );
+        let key = big.remote_key().expect("key");
+        let (streamed, v) = exchange(&mut a, &mut b, None, Some((3 * min, key)));
+        assert_eq!(v, pattern(3 * min, 1), "one-sided read whole");
+        assert_eq!(streamed, 3 * min, "one-sided read streamed");
+
+        rx.set_streaming(false);
+        let (streamed, v) = exchange(&mut a, &mut b, Some(big.full()), None);
+        assert_eq!(v, pattern(4 * min, 1));
+        assert_eq!(streamed, 0, "hint off: the ordinary copy");
+        let (streamed, _) = exchange(&mut a, &mut b, Some(eager.full()), None);
+        assert_eq!(streamed, 0, "hint off: the ordinary copy (eager)");
     }
 
     #[test]
