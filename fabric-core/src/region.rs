@@ -299,9 +299,12 @@ impl Region {
     /// Honoured where the CPU makes the copy on the receiver: **shm** receives (eager and
     /// rendezvous) and shm one-sided reads into this region. Elsewhere the bytes are not
     /// the receiving CPU's stores (tcp: the kernel's copy out of the socket; verbs: the
-    /// NIC's DMA) and the hint changes nothing. It can be changed at any time; a copy
-    /// already running keeps the setting it started with. The data is complete and
-    /// visible to every thread when its completion is reported, as with ordinary copies.
+    /// NIC's DMA) and the hint changes nothing; nor does it for a message that arrived
+    /// before its receive was posted (it waits in the unexpected queue and is copied from
+    /// there with ordinary stores). It can be changed at any time: a message copied in
+    /// pieces may then switch between the two kinds of stores, and lands whole either way.
+    /// The data is complete and visible to every thread when its completion is reported,
+    /// as with ordinary copies (the streaming copy ends with a store fence).
     pub fn set_streaming(&self, on: bool) {
         self.inner.streaming.store(on, Ordering::Relaxed);
     }
