@@ -50,7 +50,9 @@
 //!   peer: a later operation with the old key completes with
 //!   [`Status::RemoteAccess`] and touches nothing. Regions no peer may write lend
 //!   `&[u8]` / `&mut [u8]` ([`Region::bytes`], [`Region::bytes_mut`]) while no slice is
-//!   out; remotely writable memory stays copy-only. shm cannot give peers one-sided
+//!   out; remotely writable memory stays copy-only. A region whose receives stream says
+//!   so ([`Region::set_streaming`]): shm copies large messages into it with non-temporal
+//!   stores. shm cannot give peers one-sided
 //!   access to caller memory (typed [`Error::Unsupported`] at registration, see
 //!   [`backend::shm`]); [`MemorySupport`] says per memory kind what works. A cuda-ipc
 //!   domain registers GPU memory: [`Domain::register`] allocates it, and
