@@ -72,30 +72,38 @@ fn pingpong_main_job_over_shm_and_tcp() {
     }
 }
 
+/// `bandwidth` over 64 KiB – 1 MiB, 50 iterations, one trial, with `extra` arguments.
+fn bandwidth_small(extra: &[&str]) -> Option<String> {
+    let mut args = vec![
+        "--min-size",
+        "65536",
+        "--max-size",
+        "1048576",
+        "--iters",
+        "50",
+        "--trials",
+        "1",
+    ];
+    args.extend_from_slice(extra);
+    run("bandwidth", &args, &[])
+}
+
 #[test]
 fn bandwidth_all_modes() {
-    let Some(out) = run(
-        "bandwidth",
-        &[
-            "--min-size",
-            "65536",
-            "--max-size",
-            "1048576",
-            "--iters",
-            "50",
-            "--trials",
-            "1",
-        ],
-        &[],
-    ) else {
+    let Some(out) = bandwidth_small(&[]) else {
         return;
     };
-    let r = rows(&out);
+    // send, bisend, write, read, the responder's memcpy, send / memcpy.
+    assert_positive_figures(&out, 6);
+}
+
+/// Five sizes (64 KiB – 1 MiB), each row `figures` positive numbers after the size.
+fn assert_positive_figures(out: &str, figures: usize) {
+    let r = rows(out);
     assert_eq!(r.len(), 5, "{out}");
     for row in &r {
-        // send, bisend, write, read, the responder's memcpy, send / memcpy.
-        assert_eq!(row.len(), 7, "{row:?}");
-        for v in &row[1..7] {
+        assert_eq!(row.len(), 1 + figures, "{row:?}");
+        for v in &row[1..] {
             assert!(v.parse::<f64>().expect("figure") > 0.0, "{row:?}");
         }
     }
@@ -106,35 +114,12 @@ fn bandwidth_all_modes() {
 /// measures every size.
 #[test]
 fn bandwidth_with_streaming_receives() {
-    let Some(out) = run(
-        "bandwidth",
-        &[
-            "--min-size",
-            "65536",
-            "--max-size",
-            "1048576",
-            "--iters",
-            "50",
-            "--trials",
-            "1",
-            "--modes",
-            "send,bisend",
-            "--streaming-receives",
-        ],
-        &[],
-    ) else {
+    let Some(out) = bandwidth_small(&["--modes", "send,bisend", "--streaming-receives"]) else {
         return;
     };
     assert!(out.contains("receives streaming"), "{out}");
-    let r = rows(&out);
-    assert_eq!(r.len(), 5, "{out}");
-    for row in &r {
-        // send, bisend, the responder's memcpy, send / memcpy.
-        assert_eq!(row.len(), 5, "{row:?}");
-        for v in &row[1..5] {
-            assert!(v.parse::<f64>().expect("figure") > 0.0, "{row:?}");
-        }
-    }
+    // send, bisend, the responder's memcpy, send / memcpy.
+    assert_positive_figures(&out, 4);
 }
 
 #[test]
