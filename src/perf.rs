@@ -403,7 +403,7 @@ pub fn respond(peer: &mut Peer, max: usize) -> fabric_core::Result<()> {
     loop {
         let c = match stash.pop_front() {
             Some(c) => c,
-            None => next_recv(peer, &rx, slot)?,
+            None => next_recv(peer)?,
         };
         let mut cb = [0u8; CTRL_LEN];
         let buf = c.buf.expect("buf");
@@ -488,7 +488,7 @@ pub fn respond(peer: &mut Peer, max: usize) -> fabric_core::Result<()> {
             Mode::OneSided => {
                 let c = match stash.pop_front() {
                     Some(c) => c,
-                    None => next_recv(peer, &rx, slot)?,
+                    None => next_recv(peer)?,
                 };
                 repost(peer, c.buf.expect("buf"), slot)?;
                 ack(peer, &tx)?;
@@ -527,7 +527,7 @@ fn repost(peer: &mut Peer, mut b: Buf, slot: usize) -> fabric_core::Result<()> {
     peer.recv(b, 0)
 }
 
-fn next_recv(peer: &mut Peer, _rx: &Region, _slot: usize) -> fabric_core::Result<Completion> {
+fn next_recv(peer: &mut Peer) -> fabric_core::Result<Completion> {
     loop {
         let c = peer.next_completion()?;
         if c.op == OpKind::Recv {
@@ -563,7 +563,7 @@ impl Initiator {
         for i in 0..WINDOW {
             peer.recv(rx.slice(i * slot, slot)?, 0)?;
         }
-        let c = next_recv(&mut peer, &rx, slot)?;
+        let c = next_recv(&mut peer)?;
         let b = c.buf.expect("buf");
         let mut kb = [0u8; RemoteKey::PACKED_LEN];
         if c.len != kb.len() {
@@ -772,7 +772,7 @@ impl Initiator {
     /// Transport failures, or a peer answering something else than a bandwidth.
     pub fn peer_memcpy(&mut self, size: usize, iters: usize) -> fabric_core::Result<f64> {
         self.control(Mode::Memcpy, size, iters)?;
-        let c = next_recv(&mut self.peer, &self.tx, self.slot)?;
+        let c = next_recv(&mut self.peer)?;
         let b = c.buf.expect("buf");
         let mut v = [0u8; 8];
         if c.len != v.len() {
@@ -799,7 +799,7 @@ impl Initiator {
     /// Transport failures.
     pub fn quit(&mut self) -> fabric_core::Result<()> {
         self.control(Mode::Quit, 0, 0)?;
-        let c = next_recv(&mut self.peer, &self.tx, self.slot)?;
+        let c = next_recv(&mut self.peer)?;
         drop(c);
         Ok(())
     }
