@@ -102,7 +102,8 @@ struct Args {
     /// Largest message for recursive doubling.
     #[arg(long, default_value_t = 32 << 10)]
     rd_max_bytes: usize,
-    /// Ring pipeline chunk (default: 512 KiB for the write ring, 256 KiB for the send ring).
+    /// Ring pipeline chunk (default: 512 KiB for the write ring; for the send ring a whole
+    /// segment of up to 1 MiB where segments are at most 2 MiB, 256 KiB chunks beyond).
     #[arg(long)]
     chunk_bytes: Option<usize>,
     /// Ring chunk slots (scratch per rank = slots × chunk; the write ring's operations with
@@ -1921,6 +1922,22 @@ fn write_input(send: &fabric_core::Region, rank: usize, round: usize, wrong: boo
     Ok(())
 }
 
+/// The send ring's chunk for a vector of `bytes` on `n` ranks: a whole segment of up to
+/// 1 MiB where segments are at most 2 MiB (one or two chunks per step), 256 KiB chunks for
+/// larger segments. Over tcp, 2 ranks, the kernel's copies are the work and a chunk boundary
+/// is one more round of `sendmsg` / `read` and waiting: 1 MiB chunks took 377–391 µs at 2 MiB
+/// against 447–466 for 256 KiB chunks, and 1,073–1,175 against 1,196–1,641 at 4 MiB; from
+/// 16 MiB the pipeline of 256 KiB chunks wins (5.7 ms against 6.7 at 16 MiB; BENCHMARKS,
+/// "the send ring's chunk per size").
+fn send_ring_chunk(bytes: usize, n: usize) -> usize {
+    let seg = bytes.div_ceil(n.max(1)).div_ceil(4) * 4;
+    if seg <= 2 << 20 {
+        seg.clamp(4, 1 << 20)
+    } else {
+        256 << 10
+    }
+}
+
 fn default_iters(bytes: usize) -> usize {
     ((1usize << 30) / bytes.max(1)).clamp(5, 10_000)
 }
@@ -1971,12 +1988,13 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, oversubscribed: bool) 
             "allreduce: {kind} cannot write into peers' memory; two-sided reduce-scatter instead"
         );
     }
-    // The send ring's 256 KiB holds over tcp too since the transport's loopback sockets
-    // are unpaced (BENCHMARKS, "the tcp transport's congestion control on loopback": 5 –
-    // 35 % less time than 64 KiB chunks at 2 – 32 MiB; under BBR's pacing, chunks larger
-    // than 64 KiB had driven 2 – 16 MiB vectors into a state 2 – 2.5 × slower).
-    let default_chunk = if rs_write { 512 << 10 } else { 256 << 10 };
-    let chunk = (args.chunk_bytes.unwrap_or(default_chunk) / 4).max(1) * 4;
+    let chunk = (args.chunk_bytes.unwrap_or(512 << 10) / 4).max(1) * 4;
+    // The send ring's chunk per size (`send_ring_chunk`), `--chunk-bytes` for every size.
+    let send_chunk = |bytes: usize| match args.chunk_bytes {
+        Some(c) => (c / 4).max(1) * 4,
+        None => send_ring_chunk(bytes, n),
+    };
+    let sizes = sizes(args.min_bytes, args.max_bytes);
     if rs_write {
         comm.wring = Some(WriteRing::setup(&mut comm, chunk, args.slots.max(2))?);
     }
@@ -1999,15 +2017,21 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, oversubscribed: bool) 
             .max(4);
         comm.put = Some(Box::new(PutRd::setup(&mut comm, max, args.window)?));
     }
-    // The send ring's slots (the write ring has its own, remotely writable).
+    // The send ring's slots (the write ring has its own, remotely writable): as long as
+    // the largest chunk of any ring size of this run.
+    let slot_len = sizes
+        .iter()
+        .filter(|&&b| b > args.rd_max_bytes || args.algo == Some(Algo::Ring))
+        .map(|&b| send_chunk(b))
+        .max()
+        .unwrap_or(4);
     let slots: Vec<fabric_core::Region> = (0..if rs_write { 0 } else { args.slots.max(2) })
-        .map(|_| domain.register(chunk, Access::empty()))
+        .map(|_| domain.register(slot_len, Access::empty()))
         .collect::<fabric_core::Result<_>>()?;
     let tmp = domain.register(
         args.rd_max_bytes.max(4).min(args.max_bytes.max(4)),
         Access::empty(),
     )?;
-    let sizes = sizes(args.min_bytes, args.max_bytes);
     let pb = if rank == 0 {
         ProgressBar::with_draw_target(Some(sizes.len() as u64), ProgressDrawTarget::stderr())
     } else {
@@ -2024,7 +2048,7 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, oversubscribed: bool) 
     if rank == 0 {
         println!(
             "# fabric allreduce: {n} ranks, transport {kind}, f32 sum, out of place; \
-             rd up to {} B ({}), ring chunk {chunk} B, {} slots, reduce-scatter by {}{}; \
+             rd up to {} B ({}), ring chunk {}, {} slots, reduce-scatter by {}{}; \
              waits {}",
             args.rd_max_bytes,
             if rd_put {
@@ -2038,6 +2062,11 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, oversubscribed: bool) 
                 )
             } else {
                 "sends".to_string()
+            },
+            if rs_write || args.chunk_bytes.is_some() {
+                format!("{chunk} B")
+            } else {
+                "a segment up to 1048576 B, 262144 B past 2 MiB segments".to_string()
             },
             args.slots.max(2),
             if rs_write { "writes" } else { "sends" },
@@ -2089,7 +2118,7 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, oversubscribed: bool) 
             out: &out,
             tmp: &tmp,
             slots: &slots,
-            chunk,
+            chunk: send_chunk(bytes),
             right_out,
             bytes,
         };

@@ -223,11 +223,11 @@ fn correct_for_2_3_4_ranks_over_tcp() {
     correctness("tcp");
 }
 
-/// Over tcp the send ring's default 256 KiB chunks with 2 slots: a 1 MiB vector on 2 ranks
-/// goes in two chunks per 512 KiB segment (as many as the slots), a 2 MiB one in four (more
-/// chunks than slots, so slots are reused within a segment); 3 ranks give uneven segments
-/// and a last chunk shorter than the others. The header names the chunk, and every size is
-/// checked.
+/// Over tcp the send ring's default chunks with 2 slots, on both sides of their rule: a 4 MiB
+/// vector on 2 ranks goes in two 1 MiB chunks per 2 MiB segment (as many as the slots), an
+/// 8 MiB one in 256 KiB chunks, sixteen per 4 MiB segment (more chunks than slots, so slots
+/// are reused within a segment); 3 ranks give uneven segments and a last chunk shorter than
+/// the others. The header names the rule, and every size is checked.
 #[test]
 fn tcp_send_ring_reuses_its_slots_within_a_segment() {
     for ranks in ["2", "3"] {
@@ -239,9 +239,9 @@ fn tcp_send_ring_reuses_its_slots_within_a_segment() {
             "--transport",
             "tcp",
             "--min-bytes",
-            "1048576",
+            "4194304",
             "--max-bytes",
-            "2097152",
+            "8388608",
             "--iters",
             "2",
             "--warmup",
@@ -252,11 +252,16 @@ fn tcp_send_ring_reuses_its_slots_within_a_segment() {
         };
         let rows = rows_in(&args, &out);
         let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(stdout.contains("ring chunk 262144 B, 2 slots"), "{stdout}");
+        assert!(
+            stdout.contains(
+                "ring chunk a segment up to 1048576 B, 262144 B past 2 MiB segments, 2 slots"
+            ),
+            "{stdout}"
+        );
         assert_table(
             &rows,
-            1 << 20,
-            2 << 20,
+            4 << 20,
+            8 << 20,
             "ring",
             &format!("tcp, {ranks} ranks"),
         );
