@@ -138,6 +138,12 @@ struct Args {
     /// memory.
     #[arg(long)]
     one_sided: bool,
+    /// Mark the output region streaming (`Region::set_streaming`: shm copies received
+    /// messages of 64 KiB and more into it with non-temporal stores). `auto`: for vectors
+    /// whose inputs and outputs on this host (2 × ranks × size) fill half the L3 or more;
+    /// elsewhere the output stays in the cache for whoever reads it next.
+    #[arg(long, value_enum, default_value_t = StreamOut::Auto)]
+    stream_output: StreamOut,
     /// Do not pin the ranks this process starts to CPUs of their own.
     #[arg(long)]
     no_pin: bool,
@@ -165,6 +171,16 @@ enum RsMode {
     Write,
     /// Two-sided sends into posted receives.
     Send,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum StreamOut {
+    /// Streaming where this host's inputs and outputs fill half the L3 or more.
+    Auto,
+    /// Every size.
+    Always,
+    /// No size.
+    Never,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -1922,6 +1938,35 @@ fn write_input(send: &fabric_core::Region, rank: usize, round: usize, wrong: boo
     Ok(())
 }
 
+/// The last-level (L3) cache's size in bytes, from sysfs (`None` where it says none).
+///
+/// Why the all-gather's receives stream from half of it (2 ranks, shm, write ring, near runs,
+/// µs): 4 MiB 441–488 streaming against 520–732 not, 8 MiB 1,311–1,561 against 1,535–1,724,
+/// 32 MiB 6,562–7,161 against 8,232–8,754 — and 1 MiB 98–121 against 74–124, 2 MiB 188–242
+/// against 144–213, where the ranks' buffers fit this host's 32 MiB L3 (BENCHMARKS, "the
+/// all-gather's output streams").
+fn l3_bytes() -> Option<usize> {
+    let dir = std::path::Path::new("/sys/devices/system/cpu/cpu0/cache");
+    std::fs::read_dir(dir).ok()?.flatten().find_map(|e| {
+        let level = std::fs::read_to_string(e.path().join("level")).ok()?;
+        if level.trim() != "3" {
+            return None;
+        }
+        let size = std::fs::read_to_string(e.path().join("size")).ok()?;
+        let size = size.trim();
+        let (num, mult) = match size.as_bytes().last()? {
+            b'K' => (&size[..size.len() - 1], 1 << 10),
+            b'M' => (&size[..size.len() - 1], 1 << 20),
+            b'G' => (&size[..size.len() - 1], 1 << 30),
+            _ => (size, 1),
+        };
+        num.parse::<usize>()
+            .ok()
+            .map(|v| v * mult)
+            .filter(|&b| b > 0)
+    })
+}
+
 /// The send ring's chunk for a vector of `bytes` on `n` ranks: a whole segment of up to
 /// 1 MiB where segments are at most 2 MiB (one or two chunks per step), 256 KiB chunks for
 /// larger segments. Over tcp, 2 ranks, the kernel's copies are the work and a chunk boundary
@@ -1995,6 +2040,12 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, oversubscribed: bool) 
         None => send_ring_chunk(bytes, n),
     };
     let sizes = sizes(args.min_bytes, args.max_bytes);
+    // The smallest vector whose output is marked streaming (`usize::MAX`: none).
+    let stream_from = match args.stream_output {
+        StreamOut::Always => 0,
+        StreamOut::Never => usize::MAX,
+        StreamOut::Auto => l3_bytes().map_or(usize::MAX, |l3| (l3 / 2).div_ceil(2 * n)),
+    };
     if rs_write {
         comm.wring = Some(WriteRing::setup(&mut comm, chunk, args.slots.max(2))?);
     }
@@ -2049,7 +2100,7 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, oversubscribed: bool) 
         println!(
             "# fabric allreduce: {n} ranks, transport {kind}, f32 sum, out of place; \
              rd up to {} B ({}), ring chunk {}, {} slots, reduce-scatter by {}{}; \
-             waits {}",
+             output streams {}; waits {}",
             args.rd_max_bytes,
             if rd_put {
                 let how = match comm.put.as_ref() {
@@ -2074,6 +2125,11 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, oversubscribed: bool) 
                 ", one-sided all-gather"
             } else {
                 ""
+            },
+            match stream_from {
+                0 => "at every size".to_string(),
+                usize::MAX => "at no size".to_string(),
+                b => format!("from {b} B"),
             },
             if oversubscribed {
                 "yield (more ranks than CPUs)"
@@ -2108,6 +2164,7 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, oversubscribed: bool) 
         let send = domain.register_memory(vec![0f32; count], Access::empty())?;
         write_input(&send, rank, 0, wrong)?;
         let out = domain.register_memory(vec![0f32; count], out_access)?;
+        out.set_streaming(bytes >= stream_from);
         let right_out = if out_access == Access::REMOTE_WRITE {
             Some(exchange_keys(&mut comm, &out)?)
         } else {

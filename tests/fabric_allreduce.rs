@@ -540,3 +540,47 @@ fn waits_spin_when_every_rank_has_a_cpu() {
         );
     }
 }
+
+/// `--stream-output always` marks every output region streaming, so over shm the
+/// all-gather's receives of 64 KiB and more land with non-temporal stores (fabric-core's
+/// `copy` tests check those copies byte by byte); here every element of the sums is checked
+/// on 2 and 3 ranks (uneven segments, a last chunk shorter than the others) with both
+/// reduce-scatters, and the header says which sizes stream.
+#[test]
+fn streaming_output_sums_right_over_shm() {
+    for ranks in ["2", "3"] {
+        for rs in ["write", "send"] {
+            let args = [
+                "--ranks",
+                ranks,
+                "--transport",
+                "shm",
+                "--rs",
+                rs,
+                "--stream-output",
+                "always",
+                "--min-bytes",
+                "131072",
+                "--max-bytes",
+                "2097152",
+                "--iters",
+                "3",
+                "--warmup",
+                "1",
+            ];
+            let Some(out) = run(&args) else {
+                return;
+            };
+            let rows = rows_in(&args, &out);
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert!(stdout.contains("output streams at every size"), "{stdout}");
+            assert_table(
+                &rows,
+                131072,
+                2097152,
+                "ring",
+                &format!("shm, {ranks} ranks, --rs {rs}, streaming output"),
+            );
+        }
+    }
+}
