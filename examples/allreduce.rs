@@ -45,7 +45,15 @@
 //!   word how many chunks it finished with. An operation with more than one and fewer than
 //!   twice as many chunks per segment as slots uses the first half of them, which keeps a
 //!   few-MiB all-reduce's working set in cache.
-//! * `send` (the default elsewhere): two-sided sends into posted receives.
+//! * `send` (the default elsewhere): two-sided sends into posted receives. Its chunk
+//!   follows the size (`send_ring_chunk`): whole segments of up to 1 MiB, 256 KiB chunks
+//!   for segments larger than 2 MiB.
+//!
+//! The output is the caller's memory and the operation does not read what the all-gather
+//! copies into it: for vectors whose inputs and outputs on this host fill half the L3, the
+//! output region is marked streaming (`Region::set_streaming`, `--stream-output`), so shm
+//! copies those receives with non-temporal stores and leaves the cache to the inputs and
+//! the ring's slots.
 //!
 //! Columns (nccl-tests): `time` is the mean over `--iters` operations on rank 0, `algbw`
 //! = bytes / time, `busbw` = algbw × 2(N-1)/N, in GB/s (10^9 B/s). The result is checked
