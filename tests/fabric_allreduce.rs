@@ -60,6 +60,21 @@ fn rows_in(args: &[&str], out: &Output) -> Vec<Vec<String>> {
         .collect()
 }
 
+/// Runs `args` (ring sizes `min` to `max`), requires its header to contain `says` and every
+/// size to be there and checked.
+fn ring_run_says(args: &[&str], says: &str, min: usize, max: usize, ctx: &str) {
+    let Some(out) = run(args) else {
+        return;
+    };
+    let rows = rows_in(args, &out);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains(says),
+        "{ctx}: header without {says:?}:\n{stdout}"
+    );
+    assert_table(&rows, min, max, "ring", ctx);
+}
+
 /// Every size from `min` to `max` appears once, checked, with the algorithm asked for.
 fn assert_table(rows: &[Vec<String>], min: usize, max: usize, algo: &str, ctx: &str) {
     let mut want = Vec::new();
@@ -247,22 +262,11 @@ fn tcp_send_ring_reuses_its_slots_within_a_segment() {
             "--warmup",
             "1",
         ];
-        let Some(out) = run(&args) else {
-            return;
-        };
-        let rows = rows_in(&args, &out);
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            stdout.contains(
-                "ring chunk a segment up to 1048576 B, 262144 B past 2 MiB segments, 2 slots"
-            ),
-            "{stdout}"
-        );
-        assert_table(
-            &rows,
+        ring_run_says(
+            &args,
+            "ring chunk a segment up to 1048576 B, 262144 B past 2 MiB segments, 2 slots",
             4 << 20,
             8 << 20,
-            "ring",
             &format!("tcp, {ranks} ranks"),
         );
     }
@@ -568,17 +572,11 @@ fn streaming_output_sums_right_over_shm() {
                 "--warmup",
                 "1",
             ];
-            let Some(out) = run(&args) else {
-                return;
-            };
-            let rows = rows_in(&args, &out);
-            let stdout = String::from_utf8_lossy(&out.stdout);
-            assert!(stdout.contains("output streams at every size"), "{stdout}");
-            assert_table(
-                &rows,
-                131072,
-                2097152,
-                "ring",
+            ring_run_says(
+                &args,
+                "output streams at every size",
+                128 << 10,
+                2 << 20,
                 &format!("shm, {ranks} ranks, --rs {rs}, streaming output"),
             );
         }
