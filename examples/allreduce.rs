@@ -1979,7 +1979,7 @@ fn l3_bytes() -> Option<usize> {
 /// 1 MiB where segments are at most 2 MiB (one or two chunks per step), 256 KiB chunks for
 /// larger segments. Over tcp, 2 ranks, the kernel's copies are the work and a chunk boundary
 /// is one more round of `sendmsg` / `read` and waiting: 1 MiB chunks took 377–391 µs at 2 MiB
-/// against 447–466 for 256 KiB chunks, and 1,073–1,175 against 1,196–1,641 at 4 MiB; from
+/// against 447–466 for 256 KiB chunks, and 1,073–1,175 against 1,196–1,642 at 4 MiB; from
 /// 16 MiB the pipeline of 256 KiB chunks wins (5.7 ms against 6.7 at 16 MiB; BENCHMARKS,
 /// "the send ring's chunk per size").
 fn send_ring_chunk(bytes: usize, n: usize) -> usize {
