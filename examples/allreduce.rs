@@ -1984,12 +1984,18 @@ fn l3_bytes() -> Option<usize> {
 /// "the send ring's chunk per size").
 fn send_ring_chunk(bytes: usize, n: usize) -> usize {
     let seg = bytes.div_ceil(n.max(1)).div_ceil(4) * 4;
-    if seg <= 2 << 20 {
-        seg.clamp(4, 1 << 20)
+    if seg <= SEND_WHOLE_SEGMENTS_UP_TO {
+        seg.clamp(4, SEND_CHUNK_MAX)
     } else {
-        256 << 10
+        SEND_PIPELINE_CHUNK
     }
 }
+
+/// `send_ring_chunk`'s rule: segments up to this size go whole, in chunks of at most
+/// `SEND_CHUNK_MAX`; larger ones in `SEND_PIPELINE_CHUNK` chunks.
+const SEND_WHOLE_SEGMENTS_UP_TO: usize = 2 << 20;
+const SEND_CHUNK_MAX: usize = 1 << 20;
+const SEND_PIPELINE_CHUNK: usize = 256 << 10;
 
 fn default_iters(bytes: usize) -> usize {
     ((1usize << 30) / bytes.max(1)).clamp(5, 10_000)
@@ -2041,12 +2047,11 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, oversubscribed: bool) 
             "allreduce: {kind} cannot write into peers' memory; two-sided reduce-scatter instead"
         );
     }
-    let chunk = (args.chunk_bytes.unwrap_or(512 << 10) / 4).max(1) * 4;
-    // The send ring's chunk per size (`send_ring_chunk`), `--chunk-bytes` for every size.
-    let send_chunk = |bytes: usize| match args.chunk_bytes {
-        Some(c) => (c / 4).max(1) * 4,
-        None => send_ring_chunk(bytes, n),
-    };
+    // `--chunk-bytes` in whole elements: the write ring's chunk (512 KiB without it) and the
+    // send ring's at every size (per size without it, `send_ring_chunk`).
+    let fixed_chunk = args.chunk_bytes.map(|c| (c / 4).max(1) * 4);
+    let chunk = fixed_chunk.unwrap_or(512 << 10);
+    let send_chunk = |bytes: usize| fixed_chunk.unwrap_or_else(|| send_ring_chunk(bytes, n));
     let sizes = sizes(args.min_bytes, args.max_bytes);
     // The smallest vector whose output is marked streaming (`usize::MAX`: none).
     let stream_from = match args.stream_output {
@@ -2125,7 +2130,11 @@ fn bench(args: &Args, mesh: fabric_core::bootstrap::Mesh, oversubscribed: bool) 
             if rs_write || args.chunk_bytes.is_some() {
                 format!("{chunk} B")
             } else {
-                "a segment up to 1048576 B, 262144 B past 2 MiB segments".to_string()
+                format!(
+                    "a segment up to {SEND_CHUNK_MAX} B, {SEND_PIPELINE_CHUNK} B past {} MiB \
+                     segments",
+                    SEND_WHOLE_SEGMENTS_UP_TO >> 20
+                )
             },
             args.slots.max(2),
             if rs_write { "writes" } else { "sends" },
