@@ -92,6 +92,8 @@ lowest_probe() {
          for (i = 1; i <= n; i++) if (v[i] ~ /^[0-9]+$/ && (m == "" || v[i] + 0 < m)) m = v[i] + 0 }
     END { print (m == "" ? "?" : m) }' "$OUT/c2c.txt" "$OUT/settle.txt"
 }
+# The time of the first row of a table (its only one for a single size).
+first_time() { awk '/^ *[0-9]/ { print $5; exit }' "$1"; }
 # The target of a row, as an awk function: 1.0 or 1.2 (the ratio it must reach), 0 for none.
 TARGET_AWK='function target(t, s) {
   if (t == "shm" && s <= 4096) return 1.0
@@ -153,8 +155,6 @@ for t in $TRANSPORTS; do
     log "$t: fabric allreduce, $RANKS ranks${OURS_ARGS:+ ($OURS_ARGS)} (round $1)"
     echo "$t $1 ours $(run_prog ours "$1" "${common[@]}")" >>"$OUT/c2c.txt"
   }
-  # The time of the first row of a table (its only one for a single size).
-  first_time() { awk '/^ *[0-9]/ { print $5; exit }' "$1"; }
   r=0
   while :; do
     r=$((r + 1))
